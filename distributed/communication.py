@@ -1,0 +1,24 @@
+"""Collectives used by the TP layers and the scheduler; each is a no-op at group size 1."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from distributed.parallel_state import TPGroup
+
+
+def tp_all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Sum partial results of a row-parallel layer across the TP group (in place)."""
+    if tp.is_single:
+        return x
+    dist.all_reduce(x, group=tp.device_group)
+    return x
+
+
+def tp_all_gather_last_dim(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Concatenate each rank's shard along the last dim (vocab-parallel logits)."""
+    if tp.is_single:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous(), group=tp.device_group)
+    return torch.cat(parts, dim=-1)

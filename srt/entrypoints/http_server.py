@@ -1,0 +1,155 @@
+"""HTTP frontend process: the FastAPI app (SGLang-native /generate and the OpenAI API)
+and ``launch_server``, which starts the schedulers and serves until interrupted."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from srt.entrypoints.openai_protocol import ModelCard, ModelList
+from srt.entrypoints.openai_serving import (
+    SSE_DONE, OpenAIServing, abort_error, error_response, last_output_or_disconnect, read_json, sse,
+)
+from srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+
+
+def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
+    tm = tokenizer_manager
+    served_name = server_args.served_model_name or server_args.model_path or "default"
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tm.start_handle_loop()  # needs the server's running event loop
+        yield
+
+    app = FastAPI(title="gramsync", lifespan=lifespan)
+    # State lives on the app (no module globals): handlers reach it through request.app.
+    app.state.tokenizer_manager = tm
+    app.state.server_args = server_args
+    app.state.openai_serving = OpenAIServing(tm, served_name)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(request: Request, exc: ValueError):  # safety net: user errors are 400s
+        return error_response(str(exc))
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if not request.app.state.tokenizer_manager.scheduler_alive():
+            return error_response("A scheduler process has exited.", 503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        """Healthy only if a one-token generation round-trips through the scheduler."""
+        obj = GenerateReqInput(text="Hi", sampling_params={"max_new_tokens": 1, "temperature": 0})
+        try:
+            out = await asyncio.wait_for(
+                last_output_or_disconnect(request, tm.generate_request(obj)), HEALTH_GENERATE_TIMEOUT_S
+            )
+        except asyncio.TimeoutError:
+            return error_response("Generation did not complete in time.", 503)
+        if out is None or out["meta_info"]["finish_reason"]["type"] == "abort":
+            return error_response("Generation failed.", 503)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=served_name, root=server_args.model_path, max_model_len=tm.context_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/get_model_info")
+    async def model_info() -> JSONResponse:
+        return JSONResponse({"model_path": server_args.model_path, "is_generation": True,
+                             "tokenizer_path": server_args.tokenizer_path or server_args.model_path})
+
+    @app.get("/get_server_info")
+    async def server_info(request: Request) -> JSONResponse:
+        t = request.app.state.tokenizer_manager
+        return JSONResponse({
+            **dataclasses.asdict(request.app.state.server_args),
+            **dataclasses.asdict(t.scheduler_info),
+            "num_inflight_requests": len(t.rid_to_state),
+            "num_aborted_requests": t.num_aborted,
+        })
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        t: TokenizerManager = request.app.state.tokenizer_manager
+        try:
+            req = t.prepare_request(GenerateReqInput.from_dict(await read_json(request)))
+        except ValueError as e:
+            return error_response(str(e))
+        if req.stream:
+            async def stream():
+                # aclosing: a client disconnect closes this generator -> abort in scheduler.
+                async with contextlib.aclosing(t.generate_request(req)) as outputs:
+                    async for out in outputs:
+                        yield sse(out)
+                yield SSE_DONE
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+        out = await last_output_or_disconnect(request, t.generate_request(req))
+        if out is None:
+            return Response(status_code=499)  # client closed the connection
+        fr = out["meta_info"]["finish_reason"]
+        if fr is not None and fr["type"] == "abort":
+            return abort_error(fr)
+        return JSONResponse(out)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await request.app.state.openai_serving.chat_completions(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await request.app.state.openai_serving.completions(request)
+
+    return app
+
+
+def _stop_server(message: str) -> None:
+    """A dead scheduler means no request can finish: stop serving (SGLang does too)."""
+    logger.error("%s; shutting the server down.", message)
+    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown -> launch_server's finally
+
+
+def launch_server(server_args) -> None:
+    """Frontend process entry: start the scheduler ranks, then serve HTTP until stopped."""
+    import setproctitle
+    import uvicorn
+
+    from srt.entrypoints.launcher import launch_schedulers, prepare_server_args
+    from srt.managers.io_struct import PortArgs
+    from srt.tokenizer_utils import get_tokenizer
+
+    setproctitle.setproctitle("gramsync::frontend")
+    logging.basicConfig(level=server_args.log_level.upper(),
+                        format="[%(asctime)s %(processName)s] %(levelname)s %(name)s: %(message)s")
+    server_args = prepare_server_args(server_args)
+    port_args = PortArgs.new()
+    handles = launch_schedulers(server_args, port_args)
+    tm = None
+    try:
+        tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path,
+                                  server_args.chat_template)
+        tm = TokenizerManager(server_args, port_args, handles.info, tokenizer)
+        tm.scheduler_alive = handles.alive
+        app = create_app(tm, server_args)
+        handles.watch(_stop_server)
+        uvicorn.run(app, host=server_args.host, port=server_args.port,
+                    log_level=server_args.log_level, timeout_keep_alive=5,
+                    timeout_graceful_shutdown=5)
+    finally:
+        handles.shutdown()
+        if tm is not None:
+            tm.close()

@@ -1,0 +1,279 @@
+"""OpenAI-compatible request/response shapes (pydantic v2) and their mapping to ours.
+
+Unknown-field policy: requests are ``extra="forbid"``, so a misspelt or unknown field is a
+400 naming it. Common OpenAI fields we do not implement are declared explicitly and
+ - ignored when they cannot change the generated text (``user``, ``metadata``, ``store``,
+   ``service_tier``, ``parallel_tool_calls``, ``stream_options.include_obfuscation``);
+ - accepted at their neutral value and rejected with "<field> is not supported" otherwise
+   (``n``, penalties, ``logit_bias``, ``logprobs``, ``tools``, ``response_format``, ``echo``,
+   ...). We never silently ignore something that would change the output.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from http import HTTPStatus
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# field -> predicate telling that its value is neutral (behaves as if absent).
+_NEUTRAL = {
+    "frequency_penalty": lambda v: not v,
+    "presence_penalty": lambda v: not v,
+    "repetition_penalty": lambda v: v in (None, 1, 1.0),
+    "logit_bias": lambda v: not v,
+    "logprobs": lambda v: not v,
+    "top_logprobs": lambda v: not v,
+    "best_of": lambda v: v in (None, 1),
+    "echo": lambda v: not v,
+    "suffix": lambda v: not v,
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "modalities": lambda v: v in (None, ["text"]),
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    include_obfuscation: Optional[bool] = None  # ignored: we add no padding field
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Optional[str] = None  # any name is accepted (SGLang); responses echo it
+    max_tokens: Optional[int] = Field(default=None, ge=0)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    # SGLang extras
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    min_tokens: Optional[int] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    repetition_penalty: Optional[float] = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"n must be 1 (several choices per request are not supported), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _reject_unsupported(self):
+        for name, neutral in _NEUTRAL.items():
+            if name in type(self).model_fields and not neutral(getattr(self, name)):
+                raise ValueError(f"{name} is not supported by this server (got {getattr(self, name)!r})")
+        return self
+
+    def to_sampling_params(self, max_new_tokens: Optional[int]) -> dict:
+        """Our SamplingParams dict; ``max_new_tokens=None`` means up to the context."""
+        d: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos,
+                             "skip_special_tokens": self.skip_special_tokens}
+        for ours, value in (("temperature", self.temperature), ("top_p", self.top_p),
+                            ("top_k", self.top_k), ("min_p", self.min_p), ("seed", self.seed),
+                            ("stop", self.stop), ("stop_token_ids", self.stop_token_ids),
+                            ("min_new_tokens", self.min_tokens)):
+            if value is not None:
+                d[ours] = value
+        return d
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (tool_calls, ...) pass through to the chat template like SGLang/vLLM.
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+    def for_template(self) -> dict:
+        """Plain-string content (templates expect str); only text parts are supported."""
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"Only text content parts are supported, got {part.get('type')!r}")
+                texts.append(part["text"])
+            d["content"] = "\n".join(texts)
+        d.setdefault("content", "")
+        return d
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=0)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict[str, Any]] = None
+    modalities: Optional[list[str]] = None
+    audio: Optional[dict[str, Any]] = None
+    prediction: Optional[dict[str, Any]] = None
+    metadata: Optional[dict[str, Any]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+
+    def sampling_params(self) -> dict:
+        mx = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.to_sampling_params(mx)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+    logprobs: Optional[int] = None
+
+    def single_prompt(self) -> Union[str, list[int]]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError("Batched prompts are not supported: send one prompt per request.")
+            p = p[0]
+        return p
+
+    def sampling_params(self) -> dict:
+        # Completions default to 16 tokens in OpenAI's API (chat defaults to the context).
+        return self.to_sampling_params(self.max_tokens if self.max_tokens is not None else 16)
+
+
+# ---- responses ------------------------------------------------------------------------
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+    matched_stop: Optional[Union[int, str]] = None  # SGLang extension
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
+    content: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+    matched_stop: Optional[Union[int, str]] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Optional[UsageInfo] = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+    matched_stop: Optional[Union[int, str]] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: _id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "gramsync"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def error_body(message: str, status_code: int = 400, param: Optional[str] = None) -> dict:
+    """OpenAI/vLLM error shape: {"error": {"message", "type", "param", "code"}}."""
+    kind = "".join(w.capitalize() for w in HTTPStatus(status_code).phrase.split()) + "Error"
+    kind = kind.replace("ErrorError", "Error")
+    return ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=status_code)).model_dump()
+
+
+def validation_error_message(e: ValidationError) -> tuple[str, Optional[str]]:
+    """One readable line naming each bad field, and the first field as ``param``."""
+    parts, param = [], None
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        param = param or (loc or None)
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (not part of this API)"
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts), param

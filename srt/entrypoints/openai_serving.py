@@ -1,0 +1,208 @@
+"""Handlers for /v1/chat/completions and /v1/completions, plus the HTTP helpers that the
+native /generate endpoint shares (JSON parsing, error responses, disconnect handling)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from srt.entrypoints.openai_protocol import (
+    ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatCompletionStreamChoice, ChatMessageOut, CompletionChoice, CompletionRequest,
+    CompletionResponse, DeltaMessage, UsageInfo, error_body, validation_error_message,
+)
+from srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
+from srt.tokenizer_utils import apply_chat_template
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks for a gone client
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def error_response(message: str, status_code: int = 400, param: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status_code, param), status_code=status_code)
+
+
+def sse(obj: Any) -> str:
+    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+async def read_json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"Malformed JSON body: {e}") from None
+
+
+async def last_output_or_disconnect(request: Request, outputs: AsyncIterator[dict]) -> Optional[dict]:
+    """Drain ``outputs``; return its last item, or None if the client disconnected first
+    (then the generator is cancelled, which aborts the request in the scheduler)."""
+
+    async def drain():
+        last = None
+        async for out in outputs:
+            last = out
+        return last
+
+    task = asyncio.create_task(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:  # disconnected, or this handler itself was cancelled
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def abort_error(finish_reason: dict) -> JSONResponse:
+    return error_response(finish_reason.get("message") or "Request aborted.",
+                          finish_reason.get("status_code") or 500)
+
+
+def _usage(meta: dict) -> UsageInfo:
+    p, c = meta["prompt_tokens"], meta["completion_tokens"]
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def _finish(fr: Optional[dict]) -> tuple[Optional[str], Any]:
+    """(OpenAI finish_reason, SGLang matched_stop)."""
+    if fr is None:
+        return None, None
+    return fr["type"], fr.get("matched")
+
+
+class OpenAIServing:
+    def __init__(self, tokenizer_manager: TokenizerManager, served_model_name: str):
+        self.tm = tokenizer_manager
+        self.served_model_name = served_model_name
+
+    async def _parse(self, request: Request, model_cls):
+        """Parse and validate; a user error comes back as a 400 JSONResponse."""
+        try:
+            body = model_cls.model_validate(await read_json(request))
+        except ValidationError as e:
+            msg, param = validation_error_message(e)
+            return None, error_response(msg, 400, param)
+        except ValueError as e:
+            return None, error_response(str(e))
+        return body, None
+
+    async def chat_completions(self, request: Request) -> Response:
+        body, err = await self._parse(request, ChatCompletionRequest)
+        if err is not None:
+            return err
+        try:
+            messages = [m.for_template() for m in body.messages]
+            ids = apply_chat_template(self.tm.tokenizer, messages)
+            obj = GenerateReqInput(input_ids=ids, sampling_params=body.sampling_params(),
+                                   stream=body.stream, rid=uuid.uuid4().hex)
+            req = self.tm.prepare_request(obj)
+        except ValueError as e:
+            return error_response(str(e))
+        model = body.model or self.served_model_name
+        if body.stream:
+            return StreamingResponse(self._chat_stream(req, model, body.include_usage),
+                                     media_type="text/event-stream")
+        out = await last_output_or_disconnect(request, self.tm.generate_request(req))
+        if out is None:
+            return Response(status_code=499)  # nobody is listening any more
+        meta = out["meta_info"]
+        if meta["finish_reason"] and meta["finish_reason"]["type"] == "abort":
+            return abort_error(meta["finish_reason"])
+        reason, matched = _finish(meta["finish_reason"])
+        resp = ChatCompletionResponse(
+            id=f"chatcmpl-{req.rid}", model=model, usage=_usage(meta),
+            choices=[ChatCompletionChoice(message=ChatMessageOut(content=out["text"]),
+                                          finish_reason=reason, matched_stop=matched)],
+        )
+        return JSONResponse(resp.model_dump())
+
+    async def _chat_stream(self, req, model: str, include_usage: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(delta: DeltaMessage, reason=None, matched=None) -> str:
+            return sse(ChatCompletionChunk(
+                id=f"chatcmpl-{req.rid}", created=created, model=model,
+                choices=[ChatCompletionStreamChoice(delta=delta, finish_reason=reason, matched_stop=matched)],
+            ))
+
+        yield chunk(DeltaMessage(role="assistant", content=""))
+        sent, last = "", None
+        async with contextlib.aclosing(self.tm.generate_request(req)) as outputs:
+            async for out in outputs:
+                last, fr = out, out["meta_info"]["finish_reason"]
+                if fr is not None and fr["type"] == "abort":
+                    yield sse(error_body(fr.get("message") or "Request aborted.", fr.get("status_code") or 500))
+                    break
+                if len(out["text"]) > len(sent):
+                    yield chunk(DeltaMessage(content=out["text"][len(sent):]))
+                    sent = out["text"]
+                if fr is not None:
+                    yield chunk(DeltaMessage(), *_finish(fr))
+                    if include_usage:
+                        yield sse(ChatCompletionChunk(id=f"chatcmpl-{req.rid}", created=created, model=model,
+                                                      choices=[], usage=_usage(last["meta_info"])))
+        yield SSE_DONE
+
+    async def completions(self, request: Request) -> Response:
+        body, err = await self._parse(request, CompletionRequest)
+        if err is not None:
+            return err
+        try:
+            prompt = body.single_prompt()
+            kind = "text" if isinstance(prompt, str) else "input_ids"
+            obj = GenerateReqInput(**{kind: prompt}, sampling_params=body.sampling_params(),
+                                   stream=body.stream, rid=uuid.uuid4().hex)
+            req = self.tm.prepare_request(obj)
+        except ValueError as e:
+            return error_response(str(e))
+        model = body.model or self.served_model_name
+        if body.stream:
+            return StreamingResponse(self._completion_stream(req, model, body.include_usage),
+                                     media_type="text/event-stream")
+        out = await last_output_or_disconnect(request, self.tm.generate_request(req))
+        if out is None:
+            return Response(status_code=499)
+        meta = out["meta_info"]
+        if meta["finish_reason"] and meta["finish_reason"]["type"] == "abort":
+            return abort_error(meta["finish_reason"])
+        reason, matched = _finish(meta["finish_reason"])
+        resp = CompletionResponse(
+            id=f"cmpl-{req.rid}", model=model, usage=_usage(meta),
+            choices=[CompletionChoice(text=out["text"], finish_reason=reason, matched_stop=matched)],
+        )
+        return JSONResponse(resp.model_dump())
+
+    async def _completion_stream(self, req, model: str, include_usage: bool) -> AsyncIterator[str]:
+        created, sent = int(time.time()), ""
+
+        def chunk(text: str, reason=None, matched=None, usage=None, choices=True) -> str:
+            ch = [CompletionChoice(text=text, finish_reason=reason, matched_stop=matched)] if choices else []
+            return sse(CompletionResponse(id=f"cmpl-{req.rid}", created=created, model=model,
+                                          choices=ch, usage=usage))
+
+        async with contextlib.aclosing(self.tm.generate_request(req)) as outputs:
+            async for out in outputs:
+                fr = out["meta_info"]["finish_reason"]
+                if fr is not None and fr["type"] == "abort":
+                    yield sse(error_body(fr.get("message") or "Request aborted.", fr.get("status_code") or 500))
+                    break
+                delta, sent = out["text"][len(sent):], out["text"]
+                if delta or fr is not None:
+                    yield chunk(delta, *_finish(fr))
+                if fr is not None and include_usage:
+                    yield chunk("", usage=_usage(out["meta_info"]), choices=False)
+        yield SSE_DONE

@@ -1,0 +1,85 @@
+"""Every environment variable gramsync reads, declared once: name, type, default, meaning.
+
+Values are read from ``os.environ`` at the moment of use (no cached module state), so a
+test or launcher can set them per process. ``python launch.py --help`` prints the table.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+
+    def get(self) -> Any:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            if self.type is bool:
+                return _parse_bool(raw)
+            return self.type(raw)
+        except ValueError as e:
+            raise ValueError(
+                f"Environment variable {self.name}={raw!r} is not a valid "
+                f"{self.type.__name__}: {e}"
+            ) from None
+
+
+def _parse_bool(raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected one of 1/0/true/false/yes/no/on/off")
+
+
+SGLANG_REQ_WAITING_TIMEOUT = EnvVar(
+    "SGLANG_REQ_WAITING_TIMEOUT", float, -1.0,
+    "Seconds a request may wait in the queue before it is aborted (<=0: no limit).",
+)
+SGLANG_REQ_RUNNING_TIMEOUT = EnvVar(
+    "SGLANG_REQ_RUNNING_TIMEOUT", float, -1.0,
+    "Seconds a request may run after its first scheduling before it is aborted (<=0: no limit).",
+)
+SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION = EnvVar(
+    "SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", int, 4096,
+    "Cap on the new tokens a request reserves in the KV cache when it is admitted.",
+)
+GRAMSYNC_CACHE_DIR = EnvVar(
+    "GRAMSYNC_CACHE_DIR", str, os.path.join(os.path.expanduser("~"), ".cache", "gramsync"),
+    "Where converted GGUF checkpoints are cached (Hugging Face format).",
+)
+GRAMSYNC_SCHEDULER_IDLE_WAIT = EnvVar(
+    "GRAMSYNC_SCHEDULER_IDLE_WAIT", float, 0.01,
+    "Seconds an idle entry rank blocks waiting for new requests before looping.",
+)
+GRAMSYNC_STARTUP_TIMEOUT = EnvVar(
+    "GRAMSYNC_STARTUP_TIMEOUT", float, 600.0,
+    "Seconds the launcher waits for the scheduler ranks to load the model and report ready.",
+)
+
+ALL_ENV_VARS: tuple[EnvVar, ...] = (
+    SGLANG_REQ_WAITING_TIMEOUT,
+    SGLANG_REQ_RUNNING_TIMEOUT,
+    SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION,
+    GRAMSYNC_CACHE_DIR,
+    GRAMSYNC_SCHEDULER_IDLE_WAIT,
+    GRAMSYNC_STARTUP_TIMEOUT,
+)
+
+
+def format_env_table() -> str:
+    """Plain-text table for ``--help`` (the README has the same table in Markdown)."""
+    lines = ["environment variables:"]
+    for v in ALL_ENV_VARS:
+        lines.append(f"  {v.name} ({v.type.__name__}, default {v.default!r})")
+        lines.append(f"      {v.help}")
+    return "\n".join(lines)

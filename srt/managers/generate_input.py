@@ -1,0 +1,100 @@
+"""The native request shape (``GenerateReqInput``) and its validation + tokenization into
+the ``TokenizedGenerateReq`` the scheduler receives. All user errors are ValueErrors
+(HTTP 400) raised here, before anything is sent."""
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from sampling.sampling_params import SamplingParams
+from srt.managers.io_struct import SchedulerInfo, TokenizedGenerateReq
+
+
+@dataclass
+class GenerateReqInput:
+    """One generation request (SGLang's native /generate body). Give text or input_ids.
+
+    ``sampling_params["max_new_tokens"] = None`` means "as many as the context allows"
+    (the OpenAI default); leaving it out means SamplingParams' default (128, SGLang).
+    """
+
+    text: Optional[str] = None
+    input_ids: Optional[list[int]] = None
+    sampling_params: Optional[dict] = None
+    stream: bool = False
+    rid: Optional[str] = None
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "GenerateReqInput":
+        """Parse a JSON body; unknown keys and wrong types raise ValueError."""
+        if not isinstance(d, Mapping):
+            raise ValueError("The request body must be a JSON object.")
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"Unknown field(s) in request: {', '.join(unknown)}")
+        checks = {"text": str, "sampling_params": Mapping, "stream": bool, "rid": str}
+        for name, typ in checks.items():
+            if d.get(name) is not None and not isinstance(d[name], typ):
+                if name in ("text", "rid") and isinstance(d[name], list):
+                    raise ValueError(f"Batched requests are not supported: {name} must be a single string.")
+                raise ValueError(f"{name} must be a {typ.__name__.lower()}, got {d[name]!r}")
+        ids = d.get("input_ids")
+        if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
+            raise ValueError("input_ids must be a list of integers (batched requests are not supported).")
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+
+def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo) -> TokenizedGenerateReq:
+    """Validate and tokenize; every user error is a ValueError raised here, before
+    anything reaches the scheduler."""
+    if (obj.text is None) == (obj.input_ids is None):
+        raise ValueError("Exactly one of text or input_ids must be given.")
+    sp = dict(obj.sampling_params or {})
+    fill_context = "max_new_tokens" in sp and sp["max_new_tokens"] is None
+    params = SamplingParams.from_dict(sp)
+    vocab = info.vocab_size
+    params.verify(vocab)
+    if obj.text == "":
+        raise ValueError("The input is empty: the prompt must have at least one token.")
+    if obj.text is not None:
+        input_ids = list(tokenizer.encode(obj.text))
+    else:
+        input_ids = list(obj.input_ids)
+        bad = [t for t in input_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids must be in [0, {vocab}), got {bad[0]}.")
+    n, ctx = len(input_ids), info.context_len
+    pool = info.max_total_num_tokens
+    if n == 0:
+        raise ValueError("The input is empty: the prompt must have at least one token.")
+    if n >= ctx:
+        raise ValueError(
+            f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
+        )
+    if n >= pool:
+        raise ValueError(
+            f"The input ({n} tokens) is longer than the KV cache pool ({pool} tokens); "
+            "start the server with a larger --max-total-tokens."
+        )
+    if fill_context:
+        # OpenAI semantics: no max_tokens = up to the context (and what the pool holds).
+        params = dataclasses.replace(
+            params, max_new_tokens=max(min(ctx, pool) - n, params.min_new_tokens)
+        )
+    elif n + params.max_new_tokens > ctx:
+        # SGLang's message (it errors rather than clipping silently).
+        raise ValueError(
+            f"Requested token count exceeds the model's maximum context length of {ctx} "
+            f"tokens. You requested a total of {n + params.max_new_tokens} tokens: {n} "
+            f"tokens from the input messages and {params.max_new_tokens} tokens for the "
+            "completion. Please reduce the number of tokens in the input messages or the "
+            "completion to fit within the limit."
+        )
+    rid = obj.rid if obj.rid is not None else uuid.uuid4().hex
+    return TokenizedGenerateReq(rid, tuple(input_ids), params, bool(obj.stream))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -1,0 +1,65 @@
+"""A request's state inside the scheduler (identical on every rank of a TP group)."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from sampling.sampling_params import SamplingParams
+from srt.managers.io_struct import FinishReason
+
+
+class Req:
+    def __init__(self, rid: str, input_ids: tuple[int, ...], params: SamplingParams,
+                 stream: bool, eos_token_ids: frozenset[int]):
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.sampling_params = params
+        self.stream = stream
+        self.output_ids: list[int] = []
+        self.finished_reason: Optional[FinishReason] = None
+        # KV state: row in req_to_token and how many tokens of fill_ids are cached.
+        self.req_pool_idx: Optional[int] = None
+        self.kv_committed_len = 0
+        self.sent_len = 0  # output tokens already sent to the frontend
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_token_ids)
+        # Wall-clock times: read only on the entry rank (timeouts are decided there).
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: Optional[float] = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    def check_finished(self, tokenizer) -> None:
+        """Decide, after a token was appended, whether the request is done. A stop that
+        coincides with the last allowed token reports "stop" (as OpenAI and vLLM do)."""
+        if self.finished:
+            return
+        params = self.sampling_params
+        n = len(self.output_ids)
+        if n >= params.min_new_tokens:
+            last = self.output_ids[-1]
+            if last in self.stop_ids:
+                self.finished_reason = FinishReason("stop", matched=last)
+                return
+            if params.stop and tokenizer is not None:
+                # Each token is at least one character, so this tail covers any stop string.
+                tail = tokenizer.decode(self.output_ids[-(params.max_stop_str_len + 1):])
+                for s in params.stop:
+                    if s in tail:
+                        self.finished_reason = FinishReason("stop", matched=s)
+                        return
+        if n >= params.max_new_tokens:
+            self.finished_reason = FinishReason("length", matched=params.max_new_tokens)

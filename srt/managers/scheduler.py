@@ -1,0 +1,228 @@
+"""The scheduler every rank runs: the same loop, in the same order, on identical inputs.
+
+Per iteration: receive (entry rank) and broadcast new requests and aborts -> poll grammars
+(constrained-generation issue) -> pick a prefill or decode batch under the token and KV
+budgets -> forward -> sample -> append tokens, check stop conditions, free finished
+requests -> the entry rank sends outputs to the frontend.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from typing import Callable, Optional, Union
+
+import torch
+
+from distributed.parallel_state import RankInfo, TPGroup
+from sampling.sampling_batch_info import SamplingBatchInfo
+from srt import environ
+from srt.forward_batch import ForwardMode
+from srt.managers.io_struct import AbortReq, BatchTokenOut, FinishReason, TokenizedGenerateReq
+from srt.managers.req import Req
+from srt.managers.schedule_batch import KVCacheManager
+from srt.managers.schedule_policy import PrefillAdder
+from srt.model_config import ModelConfig
+from srt.model_runner import ModelRunner
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+Message = Union[TokenizedGenerateReq, AbortReq]
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, rank_info: RankInfo, tp: TPGroup,
+                 model_config: ModelConfig, tokenizer=None):
+        self.server_args = server_args
+        self.rank_info = rank_info
+        self.model_config = model_config
+        self.tokenizer = tokenizer  # only for stop strings
+        self.runner = ModelRunner(server_args, model_config, rank_info, tp)
+        r = self.runner
+        self.kv = KVCacheManager(r.req_to_token_pool, r.token_to_kv_pool_allocator,
+                                 r.token_to_kv_pool, r.device)
+        self.eos_ids = frozenset(model_config.eos_token_ids)
+        self.vocab_size = model_config.vocab_size
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self.pending_outputs: list[Req] = []  # finished outside a batch (rejected, aborted)
+        # Unseeded sampling draws from this; same seed and call order on every rank.
+        self.generator = torch.Generator(device=r.device)
+        self.generator.manual_seed(server_args.random_seed or 0)
+        self.clip_new_tokens = environ.SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION.get()
+        self.num_retractions = 0
+
+    # ---- input -----------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.pending_outputs)
+
+    def process_input_requests(self, msgs: list[Message]) -> None:
+        for m in msgs:
+            if isinstance(m, TokenizedGenerateReq):
+                self._add_request(m)
+            elif isinstance(m, AbortReq):
+                self._abort(m)
+            else:
+                logger.error("%s ignoring unknown message %r", self.rank_info.log_prefix, type(m))
+
+    def _add_request(self, m: TokenizedGenerateReq) -> None:
+        if m.rid in self.reqs:
+            logger.warning("%s duplicate request id %s ignored", self.rank_info.log_prefix, m.rid)
+            return
+        n, ctx = len(m.input_ids), self.runner.context_len
+        params = m.sampling_params
+        if n + params.max_new_tokens > ctx:  # clip like SGLang: never run past the context
+            params = dataclasses.replace(params, max_new_tokens=max(ctx - n, 0))
+        req = Req(m.rid, m.input_ids, params, m.stream, self.eos_ids)
+        error = self._validate(req)
+        if error is not None:
+            req.finished_reason = FinishReason("abort", message=error, status_code=400)
+        elif params.max_new_tokens == 0:
+            req.finished_reason = FinishReason("length", matched=0)
+        if req.finished:
+            self.pending_outputs.append(req)
+            return
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def _validate(self, req: Req) -> Optional[str]:
+        n, ctx = len(req.origin_input_ids), self.runner.context_len
+        if n == 0:
+            return "The input is empty."
+        if n >= ctx:
+            return f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
+        if n + 1 > self.kv.allocator.size:
+            return (f"The input ({n} tokens) can never fit in the KV cache "
+                    f"(max_total_tokens={self.kv.allocator.size}).")
+        if not all(type(t) is int and 0 <= t < self.vocab_size for t in req.origin_input_ids):
+            return f"Input token ids must be in [0, {self.vocab_size})."
+        return None
+
+    def _abort(self, m: AbortReq) -> None:
+        req = self.reqs.pop(m.rid, None)
+        if req is None:
+            return  # already finished: its final output was sent
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.release(req)
+        req.finished_reason = FinishReason("abort", message=m.message, status_code=m.status_code)
+        self.pending_outputs.append(req)
+
+    def collect_timeouts(self) -> list[AbortReq]:
+        """Entry rank only: wall-clock timeouts become aborts broadcast with the inputs."""
+        out = []
+        now = time.monotonic()
+        wait_limit = environ.SGLANG_REQ_WAITING_TIMEOUT.get()
+        run_limit = environ.SGLANG_REQ_RUNNING_TIMEOUT.get()
+        if wait_limit > 0:
+            out += [AbortReq(r.rid, f"Request waited more than {wait_limit} s in the queue "
+                             "(SGLANG_REQ_WAITING_TIMEOUT).", 503)
+                    for r in self.waiting
+                    if r.first_scheduled_time is None and now - r.arrival_time > wait_limit]
+        if run_limit > 0:
+            out += [AbortReq(r.rid, f"Request ran more than {run_limit} s "
+                             "(SGLANG_REQ_RUNNING_TIMEOUT).", 503)
+                    for r in self.running + list(self.waiting)
+                    if r.first_scheduled_time is not None and now - r.first_scheduled_time > run_limit]
+        return out
+
+    # ---- one iteration -----------------------------------------------------------------
+    def step(self) -> list[BatchTokenOut]:
+        touched = self.pending_outputs
+        self.pending_outputs = []
+        batch = self._get_next_batch_to_run()
+        if batch is not None:
+            mode, reqs = batch
+            self._run_batch(mode, reqs)
+            touched = touched + reqs
+        return self._make_outputs(touched)
+
+    def _get_next_batch_to_run(self) -> Optional[tuple[ForwardMode, list[Req]]]:
+        adder = PrefillAdder(self.running, self.kv.available_tokens(),
+                             self.server_args.max_running_requests,
+                             self.server_args.max_prefill_tokens, self.clip_new_tokens)
+        new_reqs = adder.select(self.waiting)
+        if new_reqs:
+            for _ in new_reqs:
+                self.waiting.popleft()
+            return ForwardMode.EXTEND, new_reqs
+        if self.running:
+            self._ensure_decode_capacity()
+            if self.running:
+                return ForwardMode.DECODE, list(self.running)
+        return None
+
+    def _ensure_decode_capacity(self) -> None:
+        """Each decode step needs one slot per request: retract the newest if short."""
+        while self.running and self.kv.available_tokens() < len(self.running):
+            req = self.running.pop()
+            self.kv.release(req)
+            if not self.running and req.seqlen + 1 > self.kv.allocator.size:
+                req.finished_reason = FinishReason(
+                    "abort", status_code=503,
+                    message=f"KV cache exhausted (max_total_tokens={self.kv.allocator.size}).")
+                self.reqs.pop(req.rid, None)
+                self.pending_outputs.append(req)
+                return
+            logger.info("%s KV cache full: retracting %s", self.rank_info.log_prefix, req.rid)
+            self.num_retractions += 1
+            self.waiting.appendleft(req)
+
+    def _run_batch(self, mode: ForwardMode, reqs: list[Req]) -> None:
+        if mode is ForwardMode.EXTEND:
+            fb = self.kv.prepare_extend(reqs)
+            now = time.monotonic()
+            for r in reqs:
+                r.first_scheduled_time = r.first_scheduled_time or now
+        else:
+            fb = self.kv.prepare_decode(reqs)
+        logits = self.runner.forward(fb)
+        info = SamplingBatchInfo.from_params(
+            [r.sampling_params for r in reqs], [len(r.output_ids) for r in reqs],
+            self.vocab_size, self.runner.device, self.generator)
+        next_ids = self.runner.sample(logits, info).tolist()
+        for r, tok in zip(reqs, next_ids):
+            r.output_ids.append(tok)
+            r.check_finished(self.tokenizer)
+            if r.finished:
+                self.kv.release(r)
+                self.reqs.pop(r.rid, None)
+        if mode is ForwardMode.EXTEND:
+            self.running.extend(r for r in reqs if not r.finished)
+        else:
+            self.running = [r for r in self.running if not r.finished]
+
+    def _make_outputs(self, reqs: list[Req]) -> list[BatchTokenOut]:
+        interval = self.server_args.stream_interval
+        picked = [r for r in reqs if r.finished or
+                  (r.stream and len(r.output_ids) - r.sent_len >= interval)]
+        if not picked:
+            return []
+        deltas = []
+        for r in picked:
+            deltas.append(tuple(r.output_ids[r.sent_len:]))
+            r.sent_len = len(r.output_ids)
+        return [BatchTokenOut(
+            rids=tuple(r.rid for r in picked),
+            new_token_ids=tuple(deltas),
+            finished_reasons=tuple(r.finished_reason for r in picked),
+            prompt_tokens=tuple(len(r.origin_input_ids) for r in picked),
+            completion_tokens=tuple(len(r.output_ids) for r in picked),
+        )]
+
+    # ---- loop ------------------------------------------------------------------------
+    def event_loop(self, recv: Callable[[bool, list], list[Message]],
+                   send: Callable[[BatchTokenOut], None], on_iteration: Callable[[], None]) -> None:
+        """``recv(block, extra)`` returns this iteration's messages, identical on all ranks."""
+        while True:
+            on_iteration()
+            extra = self.collect_timeouts() if self.rank_info.is_entry_rank else []
+            self.process_input_requests(recv(not self.has_work(), extra))
+            for out in self.step():
+                send(out)
+            if not self.has_work():
+                self.kv.check_idle_integrity()

@@ -1,0 +1,121 @@
+"""What the runtime needs to know about a Hugging Face checkpoint directory."""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _check_dir(path: str) -> None:
+    if path.endswith(".gguf"):
+        raise FileNotFoundError(
+            f"{path} is a GGUF file; convert it with srt.model_loader.resolve_model_path() first")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"Model directory {path!r} does not exist")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"No config.json in model directory {path!r}: expected a "
+                                "Hugging Face checkpoint (config.json + *.safetensors)")
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        extra = (" (found PyTorch *.bin weights; only safetensors are supported)"
+                 if glob.glob(os.path.join(path, "*.bin")) else "")
+        raise FileNotFoundError(f"No *.safetensors weight files in model directory {path!r}{extra}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_path: str
+    architecture: str
+    # The transformers config (not hashed/compared: it is a mutable object).
+    hf_config: Any = field(repr=False, compare=False, hash=False)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    context_len: int
+    eos_token_ids: tuple[int, ...]
+    tie_word_embeddings: bool
+    dtype: Optional[str] = None  # the checkpoint's dtype, informational
+
+    @classmethod
+    def from_path(cls, path: str, context_length: Optional[int] = None) -> "ModelConfig":
+        """Read ``path/config.json`` (and ``generation_config.json``); validate the architecture."""
+        from transformers import AutoConfig
+
+        path = os.path.abspath(path)
+        _check_dir(path)
+        hf = AutoConfig.from_pretrained(path)
+        archs = list(getattr(hf, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"Unsupported model architecture {archs or [getattr(hf, 'model_type', None)]} "
+                f"in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        eos = _as_ids(getattr(hf, "eos_token_id", None))
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                eos += _as_ids(json.load(f).get("eos_token_id"))
+        return cls(
+            model_path=path,
+            architecture=arch,
+            hf_config=hf,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_hidden_layers=hf.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            context_len=_context_len(hf, context_length),
+            eos_token_ids=tuple(dict.fromkeys(eos)),  # de-duplicated, order kept
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            dtype=str(getattr(hf, "dtype", None) or "").removeprefix("torch.") or None,
+        )
+
+    def num_kv_heads_per_rank(self, tp_size: int) -> int:
+        """KV heads stored per rank; heads are replicated when tp_size exceeds them."""
+        return max(1, self.num_key_value_heads // tp_size)
+
+
+def _context_len(hf: Any, requested: Optional[int]) -> int:
+    derived = int(getattr(hf, "max_position_embeddings", 0) or 2048)
+    # Sliding-window attention is not implemented: cap the context at the window, where
+    # full attention and sliding-window attention agree.
+    window = getattr(hf, "sliding_window", None)
+    if window and getattr(hf, "use_sliding_window", True) and window < derived:
+        logger.warning("Model uses sliding-window attention (window %d); capping the context "
+                       "length at the window", window)
+        derived = int(window)
+    if requested is None:
+        return derived
+    if requested > derived:
+        logger.warning("context_length=%d exceeds the model's %d; positions beyond it may "
+                       "degrade quality", requested, derived)
+    return int(requested)

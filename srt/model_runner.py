@@ -1,0 +1,90 @@
+"""Owns the model and the KV cache of one rank; runs a forward pass and sampling."""
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from distributed.parallel_state import RankInfo, TPGroup
+from sampling.sampler import Sampler
+from sampling.sampling_batch_info import SamplingBatchInfo
+from srt.forward_batch import ForwardBatch
+from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from srt.model_config import ModelConfig
+from srt.model_loader import load_model
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(server_args: ServerArgs, device: str) -> torch.dtype:
+    if server_args.dtype != "auto":
+        return _DTYPES[server_args.dtype]
+    # fp32 on CPU: x86 CPUs without AMX run bf16 matmuls far slower than fp32.
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig,
+                 rank_info: RankInfo, tp: TPGroup):
+        self.server_args = server_args
+        self.model_config = model_config
+        self.rank_info = rank_info
+        self.tp = tp
+        self.device = server_args.resolved_device()
+        if self.device == "cuda":
+            torch.cuda.set_device(rank_info.local_rank)
+            self.device = f"cuda:{rank_info.local_rank}"
+        self.dtype = resolve_dtype(server_args, self.device)
+        self.model = load_model(model_config, tp, self.dtype, self.device)
+        self.max_total_num_tokens = self._profile_max_num_tokens()
+        self.max_running_requests = server_args.max_running_requests
+        self.context_len = model_config.context_len
+        self._init_memory_pool()
+        self.sampler = Sampler()
+
+    def _kv_bytes_per_token(self) -> int:
+        cfg = self.model_config
+        return MHATokenToKVPool.bytes_per_token(
+            cfg.num_hidden_layers, cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim, self.dtype)
+
+    def _profile_max_num_tokens(self) -> int:
+        """KV pool size. In a TP group every rank must use the same number (the multi-rank
+        launcher passes an explicit --max-total-tokens or agrees on the minimum)."""
+        if self.server_args.max_total_tokens is not None:
+            return self.server_args.max_total_tokens
+        if self.device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info()
+            frac = self.server_args.mem_fraction_static or 0.85
+        else:
+            free = psutil.virtual_memory().available
+            frac = self.server_args.mem_fraction_static or 0.1
+        tokens = int(free * frac) // self._kv_bytes_per_token()
+        if tokens < 2:
+            raise RuntimeError(f"Not enough memory for the KV cache ({free} bytes free).")
+        return tokens
+
+    def _init_memory_pool(self) -> None:
+        cfg = self.model_config
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests, self.context_len + 1, self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            self.max_total_num_tokens, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            self.max_total_num_tokens, cfg.num_hidden_layers,
+            cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim, self.dtype, self.device)
+        logger.info("%s KV cache: %d tokens (%.1f MiB)", self.rank_info.log_prefix,
+                    self.max_total_num_tokens,
+                    self.max_total_num_tokens * self._kv_bytes_per_token() / 2**20)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model.forward(fb)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        info.apply_logits_bias(logits)
+        return self.sampler(logits, info)

@@ -1,0 +1,162 @@
+"""One pre-norm decoder for the Llama family: Llama, Mistral, Qwen2, Qwen3.
+
+The members differ only in switches read from the config:
+- Qwen2: bias on q/k/v (not on o_proj);
+- Qwen3: RMSNorm over each q and k head before RoPE; ``head_dim`` may differ from
+  ``hidden_size / num_heads``;
+- Llama: optional ``attention_bias`` (q/k/v/o) and ``mlp_bias``; rope scaling types.
+Parameter names mirror Hugging Face's, with q/k/v and gate/up fused.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distributed.parallel_state import TPGroup
+from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.attention import Attention
+from srt.layers.layernorm import RMSNorm
+from srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from srt.layers.rotary_embedding import RotaryEmbedding
+from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from srt.model_config import ModelConfig
+
+# (fused param, HF name, shard id): HF checkpoints store these separately.
+_STACKED = (
+    ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype):
+        super().__init__()
+        act = getattr(cfg.hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Unsupported hidden_act {act!r} (only silu)")
+        bias = bool(getattr(cfg.hf_config, "mlp_bias", False))
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias, tp=tp, params_dtype=dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias,
+                                           tp=tp, params_dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, layer_id: int, rotary: RotaryEmbedding, dtype):
+        super().__init__()
+        hf = cfg.hf_config
+        attn_bias = bool(getattr(hf, "attention_bias", False))
+        qkv_bias = attn_bias or cfg.architecture == "Qwen2ForCausalLM"
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=qkv_bias, tp=tp, params_dtype=dtype)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                        bias=attn_bias, tp=tp, params_dtype=dtype)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        if cfg.architecture == "Qwen3ForCausalLM":
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary  # one module shared by all layers (buffers are not persistent)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim,
+                              cfg.head_dim ** -0.5, layer_id)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v, fb)
+        return self.o_proj(o)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, layer_id: int, rotary, dtype):
+        super().__init__()
+        self.self_attn = SelfAttention(cfg, tp, layer_id, rotary, dtype)
+        self.mlp = MLP(cfg, tp, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, h, residual: Optional[torch.Tensor], fb: ForwardBatch):
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.rotary_emb = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.context_len)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, tp, i, self.rotary_emb, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        h, residual = self.embed_tokens(fb.input_ids), None
+        for layer in self.layers:
+            h, residual = layer(fb.positions, h, residual, fb)
+        return h + residual  # pre-norm hidden states; CausalLM normalises the rows it needs
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup(), dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.config, self.tp = config, tp
+        self.model = DecoderModel(config, tp, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @torch.no_grad()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """float32 logits ``[B, vocab]`` (last new token per sequence) or ``[T, vocab]``."""
+        h = self.model(fb)
+        if fb.mode == ForwardMode.EXTEND and not fb.return_all_logits:
+            last = torch.tensor(fb.extend_seq_lens_cpu, device=h.device).cumsum(0) - 1
+            h = h[last]
+        return self.lm_head(self.model.norm(h))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load ``(hf_name, full_tensor)`` pairs; each parameter slices its TP shard."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # the same Parameter as embed_tokens
+            shard_id = None
+            for fused, hf_part, sid in _STACKED:
+                if f".{hf_part}." in name:
+                    name, shard_id = name.replace(f".{hf_part}.", f".{fused}."), sid
+                    break
+            if name not in params:
+                raise KeyError(f"Checkpoint tensor {name!r} has no matching model parameter")
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, shard_id)
+            else:
+                param.data.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"Checkpoint is missing weights for: {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}")

@@ -1,0 +1,87 @@
+"""``ServerArgs``: the one frozen configuration object; CLI flags are generated from it."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import typing
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+def _f(default, help: str, choices: Optional[Sequence] = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # Model and tokenizer
+    model_path: Optional[str] = _f(None, "Hugging Face directory or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
+    tokenizer_path: Optional[str] = _f(None, "Tokenizer directory (default: the model's).")
+    served_model_name: Optional[str] = _f(None, "Model name reported by /v1/models (default: derived from the path).")
+    chat_template: Optional[str] = _f(None, "Jinja chat template file overriding the tokenizer's.")
+    context_length: Optional[int] = _f(None, "Maximum context length (default: from the model config).")
+    dtype: str = _f("auto", "Weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA).", ["auto", "float32", "float16", "bfloat16"])
+    device: str = _f("auto", "cpu, cuda or auto.", ["auto", "cpu", "cuda"])
+    # HTTP
+    host: str = _f("127.0.0.1", "HTTP host.")
+    port: int = _f(30000, "HTTP port.")
+    # Memory and scheduling
+    max_total_tokens: Optional[int] = _f(None, "KV-cache pool size in tokens (default: from --mem-fraction-static).")
+    mem_fraction_static: Optional[float] = _f(None, "Fraction of free memory for the KV cache (default: 0.85 on CUDA, 0.1 of RAM on CPU).")
+    max_running_requests: int = _f(64, "Maximum requests decoding at once.")
+    max_prefill_tokens: int = _f(8192, "Token budget of one prefill batch (a longer single prompt still runs alone).")
+    stream_interval: int = _f(1, "Send stream chunks every this many decode steps.")
+    random_seed: Optional[int] = _f(None, "Seed for unseeded sampling (default: random, shared by all ranks).")
+    # Parallelism (multi-rank arrives with the distributed issue)
+    tp_size: int = _f(1, "Tensor-parallel size.")
+    dp_size: int = _f(1, "Data-parallel size.")
+    nnodes: int = _f(1, "Number of nodes.")
+    node_rank: int = _f(0, "This node's rank.")
+    dist_init_addr: Optional[str] = _f(None, "host:port of node 0 for torch.distributed init.")
+    watchdog_timeout: float = _f(300.0, "Seconds a scheduler step may take before the server exits.")
+    # Logging
+    log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
+
+    def __post_init__(self):
+        if self.tp_size < 1 or self.dp_size < 1:
+            raise ValueError("--tp-size and --dp-size must be at least 1")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be at least 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError("--max-total-tokens must be at least 2")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError("--mem-fraction-static must be in (0, 1)")
+
+    def resolved(self) -> "ServerArgs":
+        """Fix choices that every rank must share (the random seed) before spawning ranks."""
+        if self.random_seed is None:
+            return dataclasses.replace(self, random_seed=random.randint(0, 2**30))
+        return self
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kind = hints[f.name]
+            if typing.get_origin(kind) is typing.Union:  # Optional[X]
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            kwargs = {"default": f.default, "help": f.metadata.get("help", "")}
+            if kind is bool:
+                parser.add_argument(flag, action="store_true", **kwargs)
+                continue
+            if f.metadata.get("choices"):
+                kwargs["choices"] = f.metadata["choices"]
+            parser.add_argument(flag, type=kind, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})

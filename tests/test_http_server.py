@@ -1,0 +1,210 @@
+"""End to end: a REAL server process (`python launch.py`) serving the embedded SmolLM2 on
+CPU, driven with the official `openai` client and httpx. Greedy (temperature 0) where the
+test compares two runs; max_tokens stays small (~30 tok/s on CPU)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from srt.tokenizer_utils import apply_chat_template
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESSAGES = [{"role": "user", "content": "Write a long poem about the sea."}]
+STARTUP_TIMEOUT_S = 150  # under the per-test timeout (fixture setup counts)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_dir):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "launch.py", "--max-total-tokens", "4096", "--port", str(port),
+         "--model-path", smollm2_dir, "--served-model-name", "smollm2", "--log-level", "warning"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            if time.time() > deadline:
+                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield base
+    finally:  # always take the whole process group down (frontend + scheduler ranks)
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        log.close()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", timeout=60, max_retries=0)
+
+
+def _server_info(server) -> dict:
+    return httpx.get(server + "/get_server_info", timeout=10).json()
+
+
+def test_chat_usage_and_length(server, client, smollm2_tokenizer):
+    r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens == len(apply_chat_template(smollm2_tokenizer, MESSAGES))
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+
+
+def test_chat_stream_matches_non_stream(server, client):
+    kw = dict(model="smollm2", messages=MESSAGES, max_tokens=8, temperature=0)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_completion_and_stream(server, client, smollm2_tokenizer):
+    kw = dict(model="smollm2", prompt="1, 2, 3,", max_tokens=6, temperature=0)
+    r = client.completions.create(**kw)
+    assert r.usage.prompt_tokens == len(smollm2_tokenizer.encode("1, 2, 3,"))
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_is_not_shown(server, client):
+    r = client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=[" 5"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == " 4,"
+
+
+def test_generate_native(server, smollm2_tokenizer):
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    out = httpx.post(server + "/generate", json=body, timeout=60).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    assert out["meta_info"]["completion_tokens"] == len(out["output_ids"]) == 6
+    assert out["meta_info"]["prompt_tokens"] == len(smollm2_tokenizer.encode(body["text"]))
+    assert out["text"] == smollm2_tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    with httpx.stream("POST", server + "/generate", json={**body, "stream": True}, timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+    assert len(chunks) > 1 and chunks[-1]["text"] == out["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_models_and_health(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["smollm2"]
+    assert httpx.get(server + "/health_generate", timeout=60).status_code == 200
+
+
+def _long_prompt(words: int) -> str:
+    return "hello " * words
+
+
+BAD = [
+    ("/v1/chat/completions", b'{"model": "smollm2", "messages": [', "Malformed JSON"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MESSAGES, "frobnicate": True}, "frobnicate"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MESSAGES, "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MESSAGES, "top_p": 2}, "top_p"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MESSAGES, "n": 2}, "n must be 1"),
+    ("/v1/completions", {"model": "smollm2", "prompt": _long_prompt(9000)}, "longer than the model's context length"),
+    ("/v1/completions", {"model": "smollm2", "prompt": _long_prompt(5000)}, "KV cache pool"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_p": 2}}, "top_p"),
+]
+
+
+def test_bad_input_is_400_while_a_good_request_completes(server):
+    good = {}
+
+    def run_good():
+        body = {"text": "Tell me a story.", "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}
+        good["resp"] = httpx.post(server + "/generate", json=body, timeout=120)
+
+    th = threading.Thread(target=run_good)
+    th.start()
+    for path, body, msg in BAD:
+        kw = ({"content": body, "headers": {"content-type": "application/json"}}
+              if isinstance(body, bytes) else {"json": body})
+        r = httpx.post(server + path, timeout=30, **kw)
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert msg in err["message"], (path, err)
+        assert err["code"] == 400 and err["type"] == "BadRequestError"
+    th.join(timeout=120)
+    assert good["resp"].status_code == 200
+    assert good["resp"].json()["meta_info"]["completion_tokens"] == 16
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="smollm2", messages=MESSAGES, temperature=-1)
+
+
+def _wait_for_abort(server, aborted_before: int, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    info = {}
+    while time.time() < deadline:
+        info = _server_info(server)
+        if info["num_aborted_requests"] > aborted_before and info["num_inflight_requests"] == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the request was not aborted: {info}")
+
+
+def test_streaming_client_disconnect_aborts(server):
+    before = _server_info(server)["num_aborted_requests"]
+    body = {"text": "Write a very long essay.", "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    with httpx.stream("POST", server + "/generate", json=body, timeout=60) as r:
+        first = next(ln for ln in r.iter_lines() if ln)
+        assert first.startswith("data: ")
+    _wait_for_abort(server, before)
+    t0 = time.time()
+    r = httpx.post(server + "/generate", timeout=60,
+                   json={"text": "Hi", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
+    assert time.time() - t0 < 30
+
+
+def test_non_streaming_client_disconnect_aborts(server):
+    before = _server_info(server)["num_aborted_requests"]
+    body = {"model": "smollm2", "messages": MESSAGES, "max_tokens": 2000}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    _wait_for_abort(server, before)
+    assert httpx.get(server + "/health", timeout=10).status_code == 200

@@ -205,3 +205,27 @@ def test_small_pool_queues_and_retracts_without_changing_outputs(
         assert small[r.rid]["finish"].type == "length"
         assert small[r.rid]["ids"] == ref[r.rid]["ids"]
     assert (s.num_retractions > 0) == (clip == 1)
+
+
+def test_waiting_and_running_timeouts_become_aborts(sched, smollm2_tokenizer, monkeypatch):
+    """Timeouts are decided from wall-clock on the entry rank and fed back as AbortReqs."""
+    import time
+
+    tok = smollm2_tokenizer
+    monkeypatch.setenv("SGLANG_REQ_WAITING_TIMEOUT", "0.05")
+    sched.process_input_requests([req(tok, "slow-queue", PROMPTS[0], max_new_tokens=50)])
+    time.sleep(0.1)
+    timeouts = sched.collect_timeouts()
+    assert [t.rid for t in timeouts] == ["slow-queue"]
+    outs = run_until_done(sched, {0: timeouts})
+    assert "SGLANG_REQ_WAITING_TIMEOUT" in outs["slow-queue"]["finish"].message
+    monkeypatch.delenv("SGLANG_REQ_WAITING_TIMEOUT")
+    monkeypatch.setenv("SGLANG_REQ_RUNNING_TIMEOUT", "0.05")
+    sched.process_input_requests([req(tok, "slow-run", PROMPTS[0], max_new_tokens=500,
+                                      ignore_eos=True)])
+    sched.step()
+    time.sleep(0.1)
+    outs = run_until_done(sched, {0: sched.collect_timeouts()})
+    assert outs["slow-run"]["finish"].type == "abort"
+    assert "SGLANG_REQ_RUNNING_TIMEOUT" in outs["slow-run"]["finish"].message
+    assert 0 < len(outs["slow-run"]["ids"]) < 500

@@ -81,6 +81,7 @@ class Engine:
         return last
 
     def shutdown(self) -> None:
+        self.tokenizer_manager.close()
         self._handles.shutdown()
         if not self._loop.is_closed():
             self._loop.close()

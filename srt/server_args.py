@@ -21,7 +21,7 @@ class ServerArgs:
     served_model_name: Optional[str] = _f(None, "Model name reported by /v1/models (default: derived from the path).")
     chat_template: Optional[str] = _f(None, "Jinja chat template file overriding the tokenizer's.")
     context_length: Optional[int] = _f(None, "Maximum context length (default: from the model config).")
-    dtype: str = _f("auto", "Weight and activation dtype (auto: float32 on CPU, bfloat16 on CUDA).", ["auto", "float32", "float16", "bfloat16"])
+    dtype: str = _f("auto", "Weight and activation dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else float32).", ["auto", "float32", "float16", "bfloat16"])
     device: str = _f("auto", "cpu, cuda or auto.", ["auto", "cpu", "cuda"])
     # HTTP
     host: str = _f("127.0.0.1", "HTTP host.")

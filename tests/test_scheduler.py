@@ -24,6 +24,7 @@ PROMPTS = [
 
 
 def make_scheduler(model_dir, tokenizer, **kw) -> Scheduler:
+    kw.setdefault("dtype", "float32")  # reduction-order assertions below assume fp32
     args = ServerArgs(model_path=model_dir, random_seed=0, **kw)
     cfg = ModelConfig.from_path(model_dir, args.context_length)
     return Scheduler(args, RankInfo(), SINGLE_RANK, cfg, tokenizer)

@@ -81,10 +81,14 @@ class Engine:
         return last
 
     def shutdown(self) -> None:
+        if self._loop.is_closed():
+            return
+        task = self.tokenizer_manager.handle_task
         self.tokenizer_manager.close()
+        if task is not None:  # let the cancelled receive loop finish inside its own loop
+            self._loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
         self._handles.shutdown()
-        if not self._loop.is_closed():
-            self._loop.close()
+        self._loop.close()
 
     def __enter__(self) -> "Engine":
         return self

@@ -169,6 +169,10 @@ class TokenizerManager:
                         out.prompt_tokens[i], out.completion_tokens[i],
                     ))
 
+    @property
+    def handle_task(self) -> Optional[asyncio.Task]:
+        return self._handle_task
+
     def close(self) -> None:
         if self._handle_task is not None:
             self._handle_task.cancel()

@@ -49,12 +49,16 @@ class TokenToKVPoolAllocator:
 
 
 class MHATokenToKVPool:
-    """Per-layer K and V buffers ``[size + 1, num_kv_heads, head_dim]``."""
+    """Per-layer K and V buffers ``[num_kv_heads, size + 1, head_dim]``.
+
+    Head-major: gathering a batch's slots along dim 1 yields one contiguous
+    ``[B, S, head_dim]`` block per KV head, which the decode matmuls read in place.
+    """
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str):
         self.size = size
-        shape = (size + 1, num_kv_heads, head_dim)
+        shape = (num_kv_heads, size + 1, head_dim)
         # torch.empty: pages are only touched when written, so a large pool starts fast.
         self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -64,5 +68,6 @@ class MHATokenToKVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffer[layer_id][loc] = k
-        self.v_buffer[layer_id][loc] = v
+        """k, v: ``[T, num_kv_heads, head_dim]`` for the T slots in ``loc``."""
+        self.k_buffer[layer_id][:, loc] = k.transpose(0, 1)
+        self.v_buffer[layer_id][:, loc] = v.transpose(0, 1)

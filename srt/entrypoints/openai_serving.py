@@ -100,6 +100,16 @@ class OpenAIServing:
             return None, error_response(str(e))
         return body, None
 
+    async def _final_output(self, request: Request, req) -> tuple[Optional[dict], Optional[Response]]:
+        """Run a non-streaming request: (output, None), or (None, the error response)."""
+        out = await last_output_or_disconnect(request, self.tm.generate_request(req))
+        if out is None:
+            return None, Response(status_code=499)  # nobody is listening any more
+        fr = out["meta_info"]["finish_reason"]
+        if fr and fr["type"] == "abort":
+            return None, abort_error(fr)
+        return out, None
+
     async def chat_completions(self, request: Request) -> Response:
         body, err = await self._parse(request, ChatCompletionRequest)
         if err is not None:
@@ -116,12 +126,10 @@ class OpenAIServing:
         if body.stream:
             return StreamingResponse(self._chat_stream(req, model, body.include_usage),
                                      media_type="text/event-stream")
-        out = await last_output_or_disconnect(request, self.tm.generate_request(req))
-        if out is None:
-            return Response(status_code=499)  # nobody is listening any more
+        out, err = await self._final_output(request, req)
+        if err is not None:
+            return err
         meta = out["meta_info"]
-        if meta["finish_reason"] and meta["finish_reason"]["type"] == "abort":
-            return abort_error(meta["finish_reason"])
         reason, matched = _finish(meta["finish_reason"])
         resp = ChatCompletionResponse(
             id=f"chatcmpl-{req.rid}", model=model, usage=_usage(meta),
@@ -173,12 +181,10 @@ class OpenAIServing:
         if body.stream:
             return StreamingResponse(self._completion_stream(req, model, body.include_usage),
                                      media_type="text/event-stream")
-        out = await last_output_or_disconnect(request, self.tm.generate_request(req))
-        if out is None:
-            return Response(status_code=499)
+        out, err = await self._final_output(request, req)
+        if err is not None:
+            return err
         meta = out["meta_info"]
-        if meta["finish_reason"] and meta["finish_reason"]["type"] == "abort":
-            return abort_error(meta["finish_reason"])
         reason, matched = _finish(meta["finish_reason"])
         resp = CompletionResponse(
             id=f"cmpl-{req.rid}", model=model, usage=_usage(meta),

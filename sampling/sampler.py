@@ -1,37 +1,84 @@
-"""Token sampler: greedy fast path, else temperature + top-k/top-p/min-p + exact sampling.
+"""The Sampler: greedy fast path; otherwise temperature, then top-k / top-p / min-p and an
+exact sample, with no full-vocabulary sort (``sort_free``). On CUDA with the ``flashinfer``
+package installed, batches without per-request seeds use FlashInfer's fused rejection
+sampling kernels; seeded rows always use the hashed (seed, position) uniforms so they are
+reproducible everywhere.
 
-Minimal version (single-rank engine issue): top-k/top-p use a sort; the FlashInfer-style
-sort-free sampler replaces this with the sampling-pipeline issue.
+Non-finite logits (NaN, +inf, or a row with no finite value at all) never crash the
+server: NaN becomes -inf, +inf a large finite value, an all -inf row uniform; the first
+occurrence is logged.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from sampling import flashinfer_backend
 from sampling.sampling_batch_info import SamplingBatchInfo
+from sampling.seeded_random import row_uniforms
+from sampling.sort_free import sample_filtered, sample_unfiltered, workspace_for
+
+logger = logging.getLogger(__name__)
+_LARGE_LOGIT = 1e30  # stands in for +inf; finite after dividing by any allowed temperature
 
 
 class Sampler:
+    def __init__(self, log_prefix: str = ""):
+        self.log_prefix = log_prefix
+        self.warned_non_finite = False
+        self._workspace: dict[tuple, torch.Tensor] = {}
+
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """int64 [B] token ids. ``logits`` (float32 [B, V]) may be modified in place."""
+        self.sanitize(logits)
         if info.is_all_greedy:
             return torch.argmax(logits, dim=-1)
-        probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
-        if info.need_top_k or info.need_top_p:
-            probs = _top_k_top_p_renorm(probs, info.top_ks, info.top_ps)
-        if info.need_min_p:
-            floor = probs.amax(dim=-1, keepdim=True) * info.min_ps.unsqueeze(1)
-            probs = probs.masked_fill(probs < floor, 0.0)
-        noise = info.exponential_noise(probs.shape, probs.device)
-        ids = torch.argmax(probs / noise, dim=-1)
-        if info.greedy_mask.any():
-            ids = torch.where(info.greedy_mask, torch.argmax(logits, dim=-1), ids)
+        greedy_ids = torch.argmax(logits, dim=-1) if info.has_greedy else None
+        logits.div_(info.temperatures)
+        if flashinfer_backend.usable(logits, info):
+            ids = flashinfer_backend.sample(logits, info)
+        else:
+            ids = self._sample_sort_free(logits, info)
+        if greedy_ids is not None:
+            ids = torch.where(info.greedy_mask, greedy_ids, ids)
         return ids
 
+    def _sample_sort_free(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        u = row_uniforms(info.seeds, info.positions, info.generator, logits.device)
+        ws = self._workspace_for(logits)
+        filtered = info.filtered_rows_mask()
+        if not filtered.any():
+            return sample_unfiltered(logits, u, ws)
+        if filtered.all():
+            return sample_filtered(logits, info.top_ks, info.top_ps, info.min_ps, u, ws, info.need_top_p)
+        ids = torch.empty(len(logits), dtype=torch.int64, device=logits.device)
+        f = filtered.nonzero().squeeze(1)
+        n = (~filtered).nonzero().squeeze(1)
+        ids[f] = sample_filtered(logits[f], info.top_ks[f], info.top_ps[f], info.min_ps[f],
+                                 u[f], ws, info.need_top_p)
+        ids[n] = sample_unfiltered(logits[n], u[n], ws)
+        return ids
 
-def _top_k_top_p_renorm(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    sorted_p, idx = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
-    drop = ranks >= top_ks.unsqueeze(1)
-    # Keep a token while the mass strictly before it is below top_p (always keeps the first).
-    drop |= (sorted_p.cumsum(dim=-1) - sorted_p) > top_ps.unsqueeze(1)
-    sorted_p = sorted_p.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    def _workspace_for(self, logits: torch.Tensor) -> torch.Tensor:
+        key = (logits.device, logits.shape[1])
+        ws = self._workspace.get(key)
+        if ws is None or ws.shape[0] < min(len(logits), 8):
+            ws = self._workspace[key] = workspace_for(len(logits), logits.shape[1], logits.device)
+        return ws
+
+    def sanitize(self, logits: torch.Tensor) -> None:
+        """Make every row samplable; a NaN anywhere or +inf makes the row max non-finite."""
+        row_max = logits.amax(dim=-1)
+        bad = ~torch.isfinite(row_max)
+        if not bad.any():
+            return
+        rows = bad.nonzero().squeeze(1)
+        sub = torch.nan_to_num(logits[rows], nan=float("-inf"), posinf=_LARGE_LOGIT)
+        empty = sub.amax(dim=-1) == float("-inf")
+        sub[empty] = 0.0
+        logits[rows] = sub
+        if not self.warned_non_finite:
+            self.warned_non_finite = True
+            logger.warning("%s non-finite logits in %d row(s) (NaN/inf, or every token masked); "
+                           "sanitized and still serving (logged once)", self.log_prefix, len(rows))

@@ -1,73 +1,156 @@
-"""Batched sampling state for one scheduled batch.
+"""``SamplingBatchInfo``: the running batch's sampling state, kept in step with the batch.
 
-``apply_logits_bias`` is the seam of the full pipeline (penalties -> grammar vocab mask ->
-logit bias, in that order); the penalty, mask and bias stages arrive with the sampling and
-grammar issues. The per-row noise for sampling is keyed by (seed, output position) for
-seeded requests, so a seeded request samples the same tokens in any batch and on any rank.
+Built once when requests are prefilled (``from_reqs``), then ``filter_batch`` drops rows of
+finished / aborted / retracted requests and ``merge_batch`` appends newly prefilled ones,
+so per-request tensors and penalizer state are never rebuilt from scratch.
+
+``apply_logits_bias`` runs, in exactly this order: penalties (``penaltylib``), the grammar
+vocab mask, the logit bias, then custom logit processors. A bias therefore cannot lift a
+masked token (-inf + b = -inf) and penalties act on the model's logits, not on biased ones.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 import torch
 
-from sampling.sampling_params import SamplingParams
-
-_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, position) pairs
+from constrained.bitmask_ops import apply_token_bitmask_inplace
+from sampling.penaltylib import BatchedPenalizerOrchestrator
+from sampling.penaltylib.base import PenalizedRequest
 
 
 @dataclass
 class SamplingBatchInfo:
-    temperatures: torch.Tensor  # [B, 1] float32
-    top_ps: torch.Tensor  # [B]
+    temperatures: torch.Tensor  # [B, 1] float32 (1.0 for greedy rows)
+    top_ps: torch.Tensor  # [B] float32
     top_ks: torch.Tensor  # [B] int64, vocab size where disabled
-    min_ps: torch.Tensor  # [B]
+    min_ps: torch.Tensor  # [B] float32
     greedy_mask: torch.Tensor  # [B] bool
-    seeds: tuple[Optional[int], ...]
-    positions: tuple[int, ...]  # output position each row samples (for seeded noise)
-    is_all_greedy: bool
-    need_top_p: bool
-    need_top_k: bool
-    need_min_p: bool
-    generator: torch.Generator  # shared, for unseeded rows; identical on every rank
+    seeds: list[Optional[int]]
+    positions: list[int]  # output position each row samples next (keys seeded noise)
+    logit_bias: list[tuple[tuple[int, float], ...]]
+    custom_processors: list[Optional[str]]
+    custom_params: list[Optional[dict]]
+    penalizer_orchestrator: BatchedPenalizerOrchestrator
+    vocab_size: int
+    device: torch.device
+    generator: torch.Generator  # unseeded rows; seeded identically on every rank
+    grammars: list[Optional[Any]] = field(default_factory=list)  # constrained generation
+    vocab_mask: Optional[torch.Tensor] = None  # int32 [B, ceil(V/32)], filled per step
+    # Derived by _refresh after every change of rows.
+    is_all_greedy: bool = True
+    has_greedy: bool = False
+    need_top_k: bool = False
+    need_top_p: bool = False
+    need_min_p: bool = False
+    _bias_index: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
     @classmethod
-    def from_params(cls, params: Sequence[SamplingParams], positions: Sequence[int],
-                    vocab_size: int, device: str, generator: torch.Generator) -> "SamplingBatchInfo":
+    def from_reqs(cls, reqs: Sequence[PenalizedRequest], vocab_size: int, device,
+                  generator: torch.Generator) -> "SamplingBatchInfo":
+        params = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in params]
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
-        return cls(
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1),
-            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
-            seeds=tuple(p.seed for p in params),
-            positions=tuple(positions),
-            is_all_greedy=all(greedy),
-            need_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
-            need_top_k=any(k < vocab_size and not g for k, g in zip(top_ks, greedy)),
-            need_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)),
-            generator=generator,
+        dev = torch.device(device)
+        info = cls(
+            temperatures=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                      dtype=torch.float32, device=dev).unsqueeze(1),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            top_ks=torch.tensor([vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)
+                                 for p in params], dtype=torch.int64, device=dev),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=dev),
+            seeds=[p.seed for p in params],
+            positions=[len(r.output_ids) for r in reqs],
+            logit_bias=[p.logit_bias for p in params],
+            custom_processors=[p.custom_logit_processor for p in params],
+            custom_params=[p.custom_params for p in params],
+            penalizer_orchestrator=BatchedPenalizerOrchestrator.build(reqs, vocab_size, dev),
+            vocab_size=vocab_size, device=dev, generator=generator,
+            grammars=[None] * len(reqs),
         )
+        info._refresh()
+        return info
 
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    def _refresh(self) -> None:
+        sampled = ~self.greedy_mask
+        self.is_all_greedy = not bool(sampled.any())
+        self.has_greedy = bool(self.greedy_mask.any())
+        self.need_top_k = bool(((self.top_ks < self.vocab_size) & sampled).any())
+        self.need_top_p = bool(((self.top_ps < 1.0) & sampled).any())
+        self.need_min_p = bool(((self.min_ps > 0.0) & sampled).any())
+        self._bias_index = None
+
+    def filtered_rows_mask(self) -> torch.Tensor:
+        """bool [B]: sampled rows that need top-k, top-p or min-p filtering."""
+        return ~self.greedy_mask & ((self.top_ks < self.vocab_size) | (self.top_ps < 1.0)
+                                    | (self.min_ps > 0.0))
+
+    # ---- keeping in step with the running batch ------------------------------------------
+    def filter_batch(self, keep: Sequence[int]) -> None:
+        """Keep rows ``keep`` (indices into the current batch, in their new order)."""
+        idx = torch.tensor(list(keep), dtype=torch.int64, device=self.device)
+        for name in ("temperatures", "top_ps", "top_ks", "min_ps", "greedy_mask"):
+            setattr(self, name, getattr(self, name)[idx])
+        for name in ("seeds", "positions", "logit_bias", "custom_processors", "custom_params",
+                     "grammars"):
+            old = getattr(self, name)
+            setattr(self, name, [old[i] for i in keep])
+        self.penalizer_orchestrator.filter(idx)
+        self.vocab_mask = None
+        self._refresh()
+
+    def merge_batch(self, other: "SamplingBatchInfo") -> None:
+        """Append ``other``'s rows after ours."""
+        for name in ("temperatures", "top_ps", "top_ks", "min_ps", "greedy_mask"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        for name in ("seeds", "positions", "logit_bias", "custom_processors", "custom_params",
+                     "grammars"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.penalizer_orchestrator.merge(other.penalizer_orchestrator)
+        self.vocab_mask = None
+        self._refresh()
+
+    def cumulate_output_tokens(self, output_ids: torch.Tensor) -> None:
+        """Record the tokens this step sampled (int64 [B]): penalizer state and positions."""
+        self.penalizer_orchestrator.cumulate_output_tokens(output_ids)
+        self.positions = [p + 1 for p in self.positions]
+
+    # ---- the logits pipeline ------------------------------------------------------------
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
-        """In place: penalties, then the grammar vocab mask, then logit bias (later issues)."""
-        return None
+        """In place, in this order: penalties, vocab mask, logit bias, custom processors."""
+        if self.penalizer_orchestrator.is_required:
+            self.penalizer_orchestrator.apply(logits)
+        if self.vocab_mask is not None:
+            apply_token_bitmask_inplace(logits, self.vocab_mask)
+        if any(self.logit_bias):
+            rows, cols, vals = self._logit_bias_index()
+            logits.index_put_((rows, cols), vals, accumulate=True)
+        if any(p is not None for p in self.custom_processors):
+            self._apply_custom_processors(logits)
 
-    def exponential_noise(self, shape: torch.Size, device) -> torch.Tensor:
-        """Exp(1) noise per row; argmax(probs / noise) is an exact sample from probs."""
-        noise = torch.empty(shape, dtype=torch.float32, device=device)
-        unseeded = [i for i, s in enumerate(self.seeds) if s is None]
-        if unseeded:
-            block = torch.empty((len(unseeded), shape[1]), dtype=torch.float32, device=device)
-            block.exponential_(generator=self.generator)
-            noise[unseeded] = block
-        for i, seed in enumerate(self.seeds):
-            if seed is not None:
-                g = torch.Generator(device=device)
-                g.manual_seed((seed * _SEED_MIX + self.positions[i]) % (2**63))
-                noise[i].exponential_(generator=g)
-        return noise
+    def _logit_bias_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sparse (row, token, bias) triples, cached until the rows change."""
+        if self._bias_index is None:
+            rows = [i for i, pairs in enumerate(self.logit_bias) for _ in pairs]
+            cols = [t for pairs in self.logit_bias for t, _ in pairs]
+            vals = [b for pairs in self.logit_bias for _, b in pairs]
+            self._bias_index = (torch.tensor(rows, dtype=torch.int64, device=self.device),
+                                torch.tensor(cols, dtype=torch.int64, device=self.device),
+                                torch.tensor(vals, dtype=torch.float32, device=self.device))
+        return self._bias_index
+
+    def _apply_custom_processors(self, logits: torch.Tensor) -> None:
+        from sampling.custom_logit_processor import CustomLogitProcessor
+
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(self.custom_processors):
+            if name is not None:
+                groups.setdefault(name, []).append(i)
+        for name, rows in groups.items():
+            idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            processor = CustomLogitProcessor.from_str(name)
+            logits[idx] = processor(logits[idx], [self.custom_params[i] for i in rows])

@@ -1,11 +1,15 @@
 """Per-request sampling parameters, validated with messages the HTTP layer returns as 400."""
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 _GREEDY_EPS = 1e-6
 _MAX_SEED = 2**63 - 1
+_MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -21,8 +25,23 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Sorted (token id, bias) pairs: a tuple keeps the dataclass immutable and picklable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: Optional[int] = None
     skip_special_tokens: bool = True
+    n: int = 1
+    # Constraints (at most one); the grammar backends give them meaning.
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
+    # CustomLogitProcessor.to_str() ({"callable": "module:Class"}; needs
+    # --enable-custom-logit-processor) and the JSON parameters it receives for this request.
+    custom_logit_processor: Optional[str] = None
+    custom_params: Optional[dict] = None
 
     @classmethod
     def from_dict(cls, d: Optional[Mapping[str, Any]]) -> "SamplingParams":
@@ -50,13 +69,26 @@ class SamplingParams:
             d["stop_token_ids"] = tuple(ids)
         else:
             raise ValueError("stop_token_ids must be a list of integers")
-        for name in ("max_new_tokens", "min_new_tokens", "top_k"):
+        d["logit_bias"] = _parse_logit_bias(d.get("logit_bias"))
+        if isinstance(d.get("json_schema"), Mapping):
+            d["json_schema"] = json.dumps(d["json_schema"])
+        if isinstance(d.get("structural_tag"), Mapping):
+            d["structural_tag"] = json.dumps(d["structural_tag"])
+        for name in (*CONSTRAINT_FIELDS, "custom_logit_processor"):
+            if d.get(name) is not None and not isinstance(d[name], str):
+                raise ValueError(f"{name} must be a string, got {d[name]!r}")
+        if d.get("custom_params") is not None and not isinstance(d["custom_params"], Mapping):
+            raise ValueError(f"custom_params must be a JSON object, got {d['custom_params']!r}")
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
             if name in d and not _is_int(d[name]):
                 raise ValueError(f"{name} must be an integer, got {d[name]!r}")
         if d.get("seed") is not None and not _is_int(d["seed"]):
             raise ValueError(f"seed must be an integer, got {d['seed']!r}")
-        for name in ("temperature", "top_p", "min_p"):
-            if name in d and (isinstance(d[name], bool) or not isinstance(d[name], (int, float))):
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            if d.get(name, 0) is None:
+                d.pop(name)
+            elif name in d and (isinstance(d[name], bool) or not isinstance(d[name], (int, float))):
                 raise ValueError(f"{name} must be a number, got {d[name]!r}")
         for name in ("ignore_eos", "skip_special_tokens"):
             if name in d and not isinstance(d[name], bool):
@@ -67,6 +99,10 @@ class SamplingParams:
 
     def verify(self, vocab_size: Optional[int] = None) -> None:
         """Raise ValueError naming the field, the allowed range and the offending value."""
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -88,7 +124,25 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63-1], got {self.seed}.")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty.")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        for tok, bias in self.logit_bias:
+            if not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}.")
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (several choices per request are not supported), got {self.n}.")
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"Only one constraint kind per request is allowed, got {' and '.join(given)}.")
+        if self.custom_params is not None and self.custom_logit_processor is None:
+            raise ValueError("custom_params needs a custom_logit_processor.")
         if vocab_size is not None:
+            bad = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}.")
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(
@@ -100,8 +154,38 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
     @property
+    def constraint(self) -> Optional[tuple[str, str]]:
+        """(kind, spec) of the request's grammar constraint, if any."""
+        for name in CONSTRAINT_FIELDS:
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        return None
+
+    @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+
+def _parse_logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
+    """{token id (int or decimal string, as in OpenAI's JSON): bias} -> sorted pairs."""
+    if raw is None:
+        return ()
+    if isinstance(raw, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in raw):
+        raw = dict(raw)
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"logit_bias must be an object mapping token ids to biases, got {raw!r}")
+    out = {}
+    for key, bias in raw.items():
+        if _is_int(key):
+            tok = key
+        elif isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            tok = int(key)
+        else:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {key}")
+        out[tok] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _is_int(v: Any) -> bool:

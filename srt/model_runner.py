@@ -56,7 +56,7 @@ class ModelRunner:
         self.max_running_requests = server_args.max_running_requests
         self.context_len = model_config.context_len
         self._init_memory_pool()
-        self.sampler = Sampler()
+        self.sampler = Sampler(rank_info.log_prefix)
 
     def _kv_bytes_per_token(self) -> int:
         cfg = self.model_config

@@ -46,6 +46,8 @@ class Scheduler:
         self.vocab_size = model_config.vocab_size
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        # Sampling state of `running`, row for row; filtered and merged, never rebuilt.
+        self.running_info: Optional[SamplingBatchInfo] = None
         self.reqs: dict[str, Req] = {}
         self.pending_outputs: list[Req] = []  # finished outside a batch (rejected, aborted)
         # Unseeded sampling draws from this; same seed and call order on every rank.
@@ -105,7 +107,7 @@ class Scheduler:
         if req is None:
             return  # already finished: its final output was sent
         if req in self.running:
-            self.running.remove(req)
+            self._keep_running([r for r in self.running if r is not req])
         else:
             self.waiting.remove(req)
         self.kv.release(req)
@@ -159,7 +161,8 @@ class Scheduler:
     def _ensure_decode_capacity(self) -> None:
         """Each decode step needs one slot per request: retract the newest if short."""
         while self.running and self.kv.available_tokens() < len(self.running):
-            req = self.running.pop()
+            req = self.running[-1]
+            self._keep_running(self.running[:-1])
             self.kv.release(req)
             if not self.running and req.seqlen + 1 > self.kv.allocator.size:
                 req.finished_reason = FinishReason(
@@ -181,20 +184,44 @@ class Scheduler:
         else:
             fb = self.kv.prepare_decode(reqs)
         logits = self.runner.forward(fb)
-        info = SamplingBatchInfo.from_params(
-            [r.sampling_params for r in reqs], [len(r.output_ids) for r in reqs],
-            self.vocab_size, self.runner.device, self.generator)
-        next_ids = self.runner.sample(logits, info).tolist()
-        for r, tok in zip(reqs, next_ids):
+        if mode is ForwardMode.EXTEND:
+            info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.runner.device,
+                                               self.generator)
+        else:
+            info = self.running_info
+            assert info is not None and len(info) == len(reqs), "sampling state out of step"
+        next_ids = self.runner.sample(logits, info)
+        info.cumulate_output_tokens(next_ids)
+        for r, tok in zip(reqs, next_ids.tolist()):
             r.output_ids.append(tok)
             r.check_finished(self.tokenizer)
             if r.finished:
                 self.kv.release(r)
                 self.reqs.pop(r.rid, None)
-        if mode is ForwardMode.EXTEND:
-            self.running.extend(r for r in reqs if not r.finished)
+        if mode is ForwardMode.DECODE:
+            self._keep_running([r for r in self.running if not r.finished])
+            return
+        keep = [i for i, r in enumerate(reqs) if not r.finished]
+        if not keep:
+            return
+        if len(keep) < len(reqs):
+            info.filter_batch(keep)
+        self.running.extend(reqs[i] for i in keep)
+        if self.running_info is None:
+            self.running_info = info
         else:
-            self.running = [r for r in self.running if not r.finished]
+            self.running_info.merge_batch(info)
+
+    def _keep_running(self, kept: list[Req]) -> None:
+        """Shrink `running` to `kept` (a subsequence) and its sampling state with it."""
+        if len(kept) == len(self.running):
+            return
+        if not kept:
+            self.running, self.running_info = [], None
+            return
+        pos = {id(r): i for i, r in enumerate(self.running)}
+        self.running_info.filter_batch([pos[id(r)] for r in kept])
+        self.running = kept
 
     def _make_outputs(self, reqs: list[Req]) -> list[BatchTokenOut]:
         interval = self.server_args.stream_interval

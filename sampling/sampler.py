@@ -30,14 +30,14 @@ class Sampler:
         self._workspace: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """int64 [B] token ids. ``logits`` (float32 [B, V]) may be modified in place."""
+        """int64 [B] token ids. ``logits`` (float32 [B, V]) may be modified in place;
+        temperature is folded into the sort-free passes instead of a sweep over [B, V]."""
         self.sanitize(logits)
         if info.is_all_greedy:
             return torch.argmax(logits, dim=-1)
         greedy_ids = torch.argmax(logits, dim=-1) if info.has_greedy else None
-        logits.div_(info.temperatures)
         if flashinfer_backend.usable(logits, info):
-            ids = flashinfer_backend.sample(logits, info)
+            ids = flashinfer_backend.sample(logits.div_(info.temperatures), info)
         else:
             ids = self._sample_sort_free(logits, info)
         if greedy_ids is not None:
@@ -47,17 +47,19 @@ class Sampler:
     def _sample_sort_free(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         u = row_uniforms(info.seeds, info.positions, info.generator, logits.device)
         ws = self._workspace_for(logits)
+        inv_t = 1.0 / info.temperatures
         filtered = info.filtered_rows_mask()
         if not filtered.any():
-            return sample_unfiltered(logits, u, ws)
+            return sample_unfiltered(logits, inv_t, u, ws)
         if filtered.all():
-            return sample_filtered(logits, info.top_ks, info.top_ps, info.min_ps, u, ws, info.need_top_p)
+            return sample_filtered(logits, inv_t, info.top_ks, info.top_ps, info.min_ps, u, ws,
+                                   info.need_top_p)
         ids = torch.empty(len(logits), dtype=torch.int64, device=logits.device)
         f = filtered.nonzero().squeeze(1)
         n = (~filtered).nonzero().squeeze(1)
-        ids[f] = sample_filtered(logits[f], info.top_ks[f], info.top_ps[f], info.min_ps[f],
-                                 u[f], ws, info.need_top_p)
-        ids[n] = sample_unfiltered(logits[n], u[n], ws)
+        ids[f] = sample_filtered(logits[f], inv_t[f], info.top_ks[f], info.top_ps[f],
+                                 info.min_ps[f], u[f], ws, info.need_top_p)
+        ids[n] = sample_unfiltered(logits[n], inv_t[n], u[n], ws)
         return ids
 
     def _workspace_for(self, logits: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,9 @@ class SamplingBatchInfo:
     need_top_p: bool = False
     need_min_p: bool = False
     _bias_index: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    # Rows whose custom logit processor raised this step: (row, message); the scheduler
+    # aborts those requests only (see take_failed_rows).
+    failed_rows: list[tuple[int, str]] = field(default_factory=list)
 
     @classmethod
     def from_reqs(cls, reqs: Sequence[PenalizedRequest], vocab_size: int, device,
@@ -152,5 +155,14 @@ class SamplingBatchInfo:
                 groups.setdefault(name, []).append(i)
         for name, rows in groups.items():
             idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-            processor = CustomLogitProcessor.from_str(name)
-            logits[idx] = processor(logits[idx], [self.custom_params[i] for i in rows])
+            try:
+                processor = CustomLogitProcessor.from_str(name)
+                logits[idx] = processor(logits[idx], [self.custom_params[i] for i in rows])
+            except Exception as e:  # a buggy user processor must not take the server down
+                self.failed_rows += [(i, f"Custom logit processor failed: {type(e).__name__}: {e}")
+                                     for i in rows]
+
+    def take_failed_rows(self) -> dict[int, str]:
+        """Rows to abort after this step (their processor raised), cleared on read."""
+        failed, self.failed_rows = dict(self.failed_rows), []
+        return failed

@@ -33,6 +33,8 @@ class ServerArgs:
     max_prefill_tokens: int = _f(8192, "Token budget of one prefill batch (a longer single prompt still runs alone).")
     stream_interval: int = _f(1, "Send stream chunks every this many decode steps.")
     random_seed: Optional[int] = _f(None, "Seed for unseeded sampling (default: random, shared by all ranks).")
+    # Sampling
+    enable_custom_logit_processor: bool = _f(False, "Allow requests to carry a custom logit processor (a CustomLogitProcessor class importable on the server).")
     # Parallelism (multi-rank arrives with the distributed issue)
     tp_size: int = _f(1, "Tensor-parallel size.")
     dp_size: int = _f(1, "Data-parallel size.")

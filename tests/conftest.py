@@ -2,8 +2,17 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVER_STARTUP_TIMEOUT_S = 150  # under the per-test timeouts (fixture setup counts)
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +34,49 @@ def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, smollm2_dir):
+    """Base URL of ONE real server (`python launch.py`, embedded SmolLM2 on CPU) shared by
+    the whole session; started with --enable-custom-logit-processor."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "launch.py", "--max-total-tokens", "4096", "--port", str(port),
+         "--model-path", smollm2_dir, "--served-model-name", "smollm2", "--log-level", "warning",
+         "--enable-custom-logit-processor"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + SERVER_STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            if time.time() > deadline:
+                pytest.fail(f"server not healthy after {SERVER_STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield base
+    finally:  # always take the whole process group down (frontend + scheduler ranks)
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        log.close()

@@ -12,6 +12,7 @@ import pytest
 import uvicorn
 
 from fake_scheduler import ABORT_MAGIC, FakeScheduler
+from sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 from srt.entrypoints.http_server import create_app
 from srt.managers.io_struct import PortArgs, SchedulerInfo
 from srt.managers.tokenizer_manager import TokenizerManager
@@ -24,6 +25,7 @@ INFO = SchedulerInfo(max_total_num_tokens=4096, max_running_requests=8, context_
                      vocab_size=49152, eos_token_ids=(2,))
 REPLY = " The quick brown fox jumps over the lazy dog."
 MESSAGES = [{"role": "user", "content": "Say something."}]
+DISALLOW = DisallowedTokensLogitsProcessor.to_str()
 
 
 def _free_port() -> int:
@@ -121,7 +123,15 @@ BAD = [
     ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "temperature": -1}, "temperature"),
     ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "top_p": 2}, "top_p"),
     ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "n": 2}, "n must be 1"),
-    ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "presence_penalty": 2.5},
+     "presence_penalty must be in [-2, 2], got 2.5"),
+    ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "logit_bias": {"x": 1}}, "logit_bias keys"),
+    ("/v1/completions", {"model": "m", "prompt": "a", "regex": "a+"}, "Constrained generation (regex)"),
+    # This server runs without --enable-custom-logit-processor.
+    ("/v1/completions", {"model": "m", "prompt": "a", "custom_logit_processor": DISALLOW},
+     "--enable-custom-logit-processor"),
+    ("/generate", {"text": "hi", "custom_logit_processor": DISALLOW}, "--enable-custom-logit-processor"),
+    ("/generate", {"text": "hi", "sampling_params": {"ebnf": "root ::= 'a'"}}, "Constrained generation (ebnf)"),
     ("/v1/chat/completions", {"model": "m", "messages": []}, "messages"),
     ("/v1/completions", {"model": "m", "prompt": "hi " * 9000}, "longer than the model's context length"),
     ("/v1/completions", {"model": "m", "prompt": "hi " * 5000}, "KV cache pool"),
@@ -148,6 +158,16 @@ def test_bad_input_is_400_while_good_request_runs(server, path, body, msg):
     err = r.json()["error"]
     assert msg in err["message"] and err["code"] == 400 and err["type"] == "BadRequestError"
     assert result["good"].status_code == 200 and result["good"].json()["meta_info"]["completion_tokens"] == 20
+
+
+def test_openai_sampling_fields_reach_the_scheduler(server, client):
+    r = client.completions.create(model="m", prompt="Once", max_tokens=3, frequency_penalty=0.5,
+                                  presence_penalty=0.25, logit_bias={"17": -100}, seed=4,
+                                  extra_body={"repetition_penalty": 1.1, "min_p": 0.05, "top_k": 7})
+    rid = r.id.removeprefix("cmpl-")
+    p = next(m for m in server["fake"].received if getattr(m, "rid", None) == rid).sampling_params
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (0.5, 0.25, 1.1)
+    assert (p.logit_bias, p.seed, p.min_p, p.top_k, p.max_new_tokens) == (((17, -100.0),), 4, 0.05, 7, 3)
 
 
 def test_openai_client_sees_bad_request(client):

@@ -1,12 +1,8 @@
-"""End to end: a REAL server process (`python launch.py`) serving the embedded SmolLM2 on
-CPU, driven with the official `openai` client and httpx. Greedy (temperature 0) where the
-test compares two runs; max_tokens stays small (~30 tok/s on CPU)."""
+"""End to end: a REAL server process (`python launch.py`, the session-wide ``server``
+fixture in conftest.py) serving the embedded SmolLM2 on CPU, driven with the official
+`openai` client and httpx. Greedy (temperature 0) where the test compares two runs;
+max_tokens stays small (~30 tok/s on CPU)."""
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,54 +14,7 @@ from srt.tokenizer_utils import apply_chat_template
 
 pytestmark = pytest.mark.timeout(180)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESSAGES = [{"role": "user", "content": "Write a long poem about the sea."}]
-STARTUP_TIMEOUT_S = 150  # under the per-test timeout (fixture setup counts)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_dir):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "launch.py", "--max-total-tokens", "4096", "--port", str(port),
-         "--model-path", smollm2_dir, "--served-model-name", "smollm2", "--log-level", "warning"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            if time.time() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield base
-    finally:  # always take the whole process group down (frontend + scheduler ranks)
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        log.close()
 
 
 @pytest.fixture

@@ -2,12 +2,26 @@
 import pytest
 from pydantic import ValidationError
 
+from sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
+from sampling.sampling_params import SamplingParams
 from srt.entrypoints.openai_protocol import (
     ChatCompletionRequest, ChatMessage, CompletionRequest, error_body, validation_error_message,
 )
+from srt.managers.generate_input import prepare_request
+from srt.managers.io_struct import SchedulerInfo
 from srt.tokenizer_utils import apply_chat_template
 
 MSGS = [{"role": "user", "content": "hi"}]
+INFO = SchedulerInfo(max_total_num_tokens=4096, max_running_requests=8, context_len=8192,
+                     vocab_size=1000, eos_token_ids=(2,))
+DISALLOW = DisallowedTokensLogitsProcessor.to_str()
+
+
+def _prepare(body: dict, enable_clp: bool = True):
+    """An OpenAI completion body through the same path the server takes (minus HTTP)."""
+    req = CompletionRequest.model_validate({"prompt": [5, 6, 7], **body})
+    return prepare_request(req.generate_input("rid", input_ids=req.single_prompt()), None, INFO,
+                           enable_custom_logit_processor=enable_clp)
 
 
 def test_chat_mapping_and_defaults():
@@ -19,13 +33,16 @@ def test_chat_mapping_and_defaults():
         "top_p": 0.9, "top_k": 4, "min_p": 0.1, "seed": 3, "stop": "x", "stop_token_ids": [9],
         "min_new_tokens": 2,
     }
+    # Unset fields are left out, so SamplingParams' defaults apply.
+    assert ChatCompletionRequest(messages=MSGS).sampling_params() == {
+        "max_new_tokens": None, "ignore_eos": False, "skip_special_tokens": True}
     # No max_tokens: chat runs to the context (None), completions default to 16 (OpenAI).
     assert ChatCompletionRequest(messages=MSGS).sampling_params()["max_new_tokens"] is None
     assert CompletionRequest(prompt="a").sampling_params()["max_new_tokens"] == 16
 
 
 @pytest.mark.parametrize("extra,msg", [
-    ({"n": 2}, "n must be 1"), ({"bogus": 1}, "bogus"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"n": 2}, "n must be 1"), ({"bogus": 1}, "bogus"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
@@ -79,3 +96,59 @@ def test_apply_chat_template_without_template_is_a_clear_error():
         chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         apply_chat_template(NoTemplate(), MSGS)
+
+
+def test_penalties_logit_bias_and_extras_are_mapped():
+    body = {"frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.3,
+            "logit_bias": {"17": -100, "3": 2.5}, "seed": 9, "max_tokens": 4, "min_tokens": 1,
+            "stop": ["\n"], "top_k": 5, "custom_params": {"token_ids": [4]},
+            "custom_logit_processor": DISALLOW}
+    req = _prepare(body)
+    p = req.sampling_params
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (0.5, -0.25, 1.3)
+    assert p.logit_bias == ((3, 2.5), (17, -100.0))  # string keys -> sorted int pairs
+    assert (p.seed, p.max_new_tokens, p.min_new_tokens, p.stop, p.top_k) == (9, 4, 1, ("\n",), 5)
+    assert p.custom_logit_processor == DISALLOW and p.custom_params == {"token_ids": [4]}
+    assert req.input_ids == (5, 6, 7)
+    chat = ChatCompletionRequest(messages=MSGS, frequency_penalty=1, logit_bias={"1": 1},
+                                 regex="a+", custom_params={"k": 1})
+    sp = chat.sampling_params()
+    assert (sp["frequency_penalty"], sp["logit_bias"], sp["regex"], sp["custom_params"]) == (
+        1, {"1": 1}, "a+", {"k": 1})
+    assert "json_schema" not in sp and "presence_penalty" not in sp
+
+
+@pytest.mark.parametrize("body,msg", [
+    ({"frequency_penalty": 3}, "frequency_penalty must be in [-2, 2], got 3"),
+    ({"presence_penalty": -2.5}, "presence_penalty must be in [-2, 2], got -2.5"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 2], got 0"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids, got 'abc'"),
+    ({"logit_bias": {"5": 101}}, "logit_bias values must be in [-100, 100], got 101.0 for token 5"),
+    ({"logit_bias": {"1000": 1}}, "logit_bias token ids must be in [0, 1000), got 1000"),
+    ({"regex": "a+", "ebnf": "root ::= 'a'"}, "Only one constraint kind per request is allowed, got regex and ebnf"),
+    ({"json_schema": {"type": "object"}}, "Constrained generation (json_schema) is not available yet"),
+    ({"regex": "[0-9]+"}, "Constrained generation (regex) is not available yet in this version of gramsync."),
+    ({"custom_params": {"token_ids": [1]}}, "custom_params needs a custom_logit_processor"),
+    ({"custom_logit_processor": "nope"}, "custom_logit_processor is not valid JSON"),
+    ({"custom_logit_processor": DISALLOW, "custom_params": {"token_ids": [1000]}},
+     "custom_params token_ids must be in [0, 1000), got 1000"),
+])
+def test_range_and_constraint_errors_are_value_errors_with_the_message(body, msg):
+    with pytest.raises(ValueError) as e:  # the handlers turn these into HTTP 400
+        _prepare(body)
+    assert msg in str(e.value)
+
+
+def test_custom_logit_processor_needs_the_server_flag():
+    body = {"custom_logit_processor": DISALLOW, "custom_params": {"token_ids": [1]}}
+    with pytest.raises(ValueError, match="--enable-custom-logit-processor"):
+        _prepare(body, enable_clp=False)
+    assert _prepare(body).sampling_params.custom_logit_processor == DISALLOW
+
+
+def test_logit_bias_value_type_is_checked_by_pydantic():
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({"prompt": "a", "logit_bias": {"5": "lots"}})
+    assert "logit_bias.5" in validation_error_message(e.value)[0]
+    assert SamplingParams.from_dict(CompletionRequest(prompt="a", logit_bias={"5": -1}).sampling_params()
+                                    ).logit_bias == ((5, -1.0),)

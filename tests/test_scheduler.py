@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from distributed.parallel_state import SINGLE_RANK, RankInfo
+from sampling.custom_logit_processor import CustomLogitProcessor
 from sampling.sampling_params import SamplingParams
 from srt.managers.io_struct import AbortReq, TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
@@ -230,3 +231,26 @@ def test_waiting_and_running_timeouts_become_aborts(sched, smollm2_tokenizer, mo
     assert outs["slow-run"]["finish"].type == "abort"
     assert "SGLANG_REQ_RUNNING_TIMEOUT" in outs["slow-run"]["finish"].message
     assert 0 < len(outs["slow-run"]["ids"]) < 500
+
+
+class RaisingProcessor(CustomLogitProcessor):
+    """A buggy user processor: it must abort its own request only."""
+
+    def __call__(self, logits, custom_param_list):
+        raise RuntimeError("boom")
+
+
+def test_failing_custom_logit_processor_aborts_only_its_request(sched, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    bad = req(tok, "bad", PROMPTS[0], temperature=0, max_new_tokens=6, ignore_eos=True,
+              custom_logit_processor=RaisingProcessor.to_str())
+    good = req(tok, "good", PROMPTS[1], temperature=0, max_new_tokens=6, ignore_eos=True)
+    late = req(tok, "late", PROMPTS[2], temperature=0, max_new_tokens=4, ignore_eos=True)
+    outs = run_until_done(sched, {0: [good], 2: [bad], 3: [late]})
+    assert outs["bad"]["finish"].type == "abort"
+    assert outs["bad"]["finish"].status_code == 500
+    assert "Custom logit processor failed: RuntimeError: boom" in outs["bad"]["finish"].message
+    alone = run_until_done(sched, {0: [req(tok, "good2", PROMPTS[1], temperature=0,
+                                           max_new_tokens=6, ignore_eos=True)]})
+    assert outs["good"]["ids"] == alone["good2"]["ids"]
+    assert len(outs["late"]["ids"]) == 4

@@ -1,12 +1,20 @@
 """OpenAI-compatible request/response shapes (pydantic v2) and their mapping to ours.
 
+Mapping (``to_sampling_params``): max_tokens / max_completion_tokens -> max_new_tokens,
+min_tokens -> min_new_tokens, stop, seed, temperature, top_p, frequency_penalty,
+presence_penalty and logit_bias (token-id string keys) keep their names; SGLang's extras
+top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, skip_special_tokens, regex,
+ebnf (and json_schema for completions) and custom_params pass through, and
+custom_logit_processor goes to the native request's top level. Value ranges are checked
+once, by SamplingParams, so both APIs return the same 400 messages.
+
 Unknown-field policy: requests are ``extra="forbid"``, so a misspelt or unknown field is a
 400 naming it. Common OpenAI fields we do not implement are declared explicitly and
  - ignored when they cannot change the generated text (``user``, ``metadata``, ``store``,
    ``service_tier``, ``parallel_tool_calls``, ``stream_options.include_obfuscation``);
  - accepted at their neutral value and rejected with "<field> is not supported" otherwise
-   (``n``, penalties, ``logit_bias``, ``logprobs``, ``tools``, ``response_format``, ``echo``,
-   ...). We never silently ignore something that would change the output.
+   (``n``, ``logprobs``, ``tools``, ``response_format``, ``echo``, ...). We never silently
+   ignore something that would change the output.
 """
 from __future__ import annotations
 
@@ -17,12 +25,10 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from srt.managers.generate_input import GenerateReqInput
+
 # field -> predicate telling that its value is neutral (behaves as if absent).
 _NEUTRAL = {
-    "frequency_penalty": lambda v: not v,
-    "presence_penalty": lambda v: not v,
-    "repetition_penalty": lambda v: v in (None, 1, 1.0),
-    "logit_bias": lambda v: not v,
     "logprobs": lambda v: not v,
     "top_logprobs": lambda v: not v,
     "best_of": lambda v: v in (None, 1),
@@ -35,6 +41,12 @@ _NEUTRAL = {
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
 }
+
+
+# Request fields passed to SamplingParams under the same name when set.
+_SAME_NAME = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+              "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+              "regex", "ebnf", "json_schema", "custom_params")
 
 
 class StreamOptions(BaseModel):
@@ -68,6 +80,10 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     repetition_penalty: Optional[float] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    custom_logit_processor: Optional[str] = None  # CustomLogitProcessor.to_str()
+    custom_params: Optional[dict[str, Any]] = None
 
     @field_validator("n")
     @classmethod
@@ -87,13 +103,17 @@ class _SamplingRequest(BaseModel):
         """Our SamplingParams dict; ``max_new_tokens=None`` means up to the context."""
         d: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos,
                              "skip_special_tokens": self.skip_special_tokens}
-        for ours, value in (("temperature", self.temperature), ("top_p", self.top_p),
-                            ("top_k", self.top_k), ("min_p", self.min_p), ("seed", self.seed),
-                            ("stop", self.stop), ("stop_token_ids", self.stop_token_ids),
-                            ("min_new_tokens", self.min_tokens)):
-            if value is not None:
-                d[ours] = value
+        if self.min_tokens is not None:
+            d["min_new_tokens"] = self.min_tokens
+        for name in _SAME_NAME:
+            if getattr(self, name, None) is not None:
+                d[name] = getattr(self, name)
         return d
+
+    def generate_input(self, rid: str, **prompt) -> GenerateReqInput:
+        """The native request (``prompt``: text= or input_ids=) this request maps to."""
+        return GenerateReqInput(**prompt, sampling_params=self.sampling_params(), stream=self.stream,
+                                rid=rid, custom_logit_processor=self.custom_logit_processor)
 
     @property
     def include_usage(self) -> bool:
@@ -148,6 +168,7 @@ class CompletionRequest(_SamplingRequest):
     suffix: Optional[str] = None
     best_of: Optional[int] = None
     logprobs: Optional[int] = None
+    json_schema: Optional[Union[str, dict[str, Any]]] = None  # SGLang extra (completions only)
 
     def single_prompt(self) -> Union[str, list[int]]:
         p = self.prompt

@@ -18,7 +18,7 @@ from srt.entrypoints.openai_protocol import (
     ChatCompletionStreamChoice, ChatMessageOut, CompletionChoice, CompletionRequest,
     CompletionResponse, DeltaMessage, UsageInfo, error_body, validation_error_message,
 )
-from srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
+from srt.managers.tokenizer_manager import TokenizerManager
 from srt.tokenizer_utils import apply_chat_template
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks for a gone client
@@ -117,8 +117,7 @@ class OpenAIServing:
         try:
             messages = [m.for_template() for m in body.messages]
             ids = apply_chat_template(self.tm.tokenizer, messages)
-            obj = GenerateReqInput(input_ids=ids, sampling_params=body.sampling_params(),
-                                   stream=body.stream, rid=uuid.uuid4().hex)
+            obj = body.generate_input(uuid.uuid4().hex, input_ids=ids)
             req = self.tm.prepare_request(obj)
         except ValueError as e:
             return error_response(str(e))
@@ -172,8 +171,7 @@ class OpenAIServing:
         try:
             prompt = body.single_prompt()
             kind = "text" if isinstance(prompt, str) else "input_ids"
-            obj = GenerateReqInput(**{kind: prompt}, sampling_params=body.sampling_params(),
-                                   stream=body.stream, rid=uuid.uuid4().hex)
+            obj = body.generate_input(uuid.uuid4().hex, **{kind: prompt})
             req = self.tm.prepare_request(obj)
         except ValueError as e:
             return error_response(str(e))

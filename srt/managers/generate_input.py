@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from sampling.custom_logit_processor import validate_custom_logit_processor
 from sampling.sampling_params import SamplingParams
 from srt.managers.io_struct import SchedulerInfo, TokenizedGenerateReq
 
@@ -18,6 +19,8 @@ class GenerateReqInput:
 
     ``sampling_params["max_new_tokens"] = None`` means "as many as the context allows"
     (the OpenAI default); leaving it out means SamplingParams' default (128, SGLang).
+    ``custom_logit_processor`` is top-level as in SGLang (``CustomLogitProcessor.to_str()``);
+    its per-request ``custom_params`` go in ``sampling_params``.
     """
 
     text: Optional[str] = None
@@ -25,6 +28,7 @@ class GenerateReqInput:
     sampling_params: Optional[dict] = None
     stream: bool = False
     rid: Optional[str] = None
+    custom_logit_processor: Optional[str] = None
 
     @classmethod
     def from_dict(cls, d: Any) -> "GenerateReqInput":
@@ -34,7 +38,8 @@ class GenerateReqInput:
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"Unknown field(s) in request: {', '.join(unknown)}")
-        checks = {"text": str, "sampling_params": Mapping, "stream": bool, "rid": str}
+        checks = {"text": str, "sampling_params": Mapping, "stream": bool, "rid": str,
+                  "custom_logit_processor": str}
         for name, typ in checks.items():
             if d.get(name) is not None and not isinstance(d[name], typ):
                 if name in ("text", "rid") and isinstance(d[name], list):
@@ -46,16 +51,32 @@ class GenerateReqInput:
         return cls(**{k: v for k, v in d.items() if v is not None})
 
 
-def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo) -> TokenizedGenerateReq:
+def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
+                    enable_custom_logit_processor: bool = False) -> TokenizedGenerateReq:
     """Validate and tokenize; every user error is a ValueError raised here, before
-    anything reaches the scheduler."""
+    anything reaches the scheduler. ``enable_custom_logit_processor`` is the server flag
+    (a frontend-only policy, so it is passed here rather than carried in SchedulerInfo)."""
     if (obj.text is None) == (obj.input_ids is None):
         raise ValueError("Exactly one of text or input_ids must be given.")
     sp = dict(obj.sampling_params or {})
+    if obj.custom_logit_processor is not None:
+        if sp.get("custom_logit_processor") not in (None, obj.custom_logit_processor):
+            raise ValueError("custom_logit_processor is given twice (top level and in "
+                             "sampling_params) with different values.")
+        sp["custom_logit_processor"] = obj.custom_logit_processor
     fill_context = "max_new_tokens" in sp and sp["max_new_tokens"] is None
     params = SamplingParams.from_dict(sp)
     vocab = info.vocab_size
     params.verify(vocab)
+    if params.constraint is not None:
+        # Never ignore a constraint silently: the output would not follow it.
+        raise ValueError(f"Constrained generation ({params.constraint[0]}) is not available "
+                         "yet in this version of gramsync.")
+    if params.custom_logit_processor is not None:
+        if not enable_custom_logit_processor:
+            raise ValueError("This server does not accept custom logit processors: start it "
+                             "with --enable-custom-logit-processor to allow custom_logit_processor.")
+        validate_custom_logit_processor(params.custom_logit_processor, params.custom_params, vocab)
     if obj.text == "":
         raise ValueError("The input is empty: the prompt must have at least one token.")
     if obj.text is not None:

@@ -192,9 +192,14 @@ class Scheduler:
             assert info is not None and len(info) == len(reqs), "sampling state out of step"
         next_ids = self.runner.sample(logits, info)
         info.cumulate_output_tokens(next_ids)
-        for r, tok in zip(reqs, next_ids.tolist()):
-            r.output_ids.append(tok)
-            r.check_finished(self.tokenizer)
+        failed = info.take_failed_rows()
+        for i, (r, tok) in enumerate(zip(reqs, next_ids.tolist())):
+            if i in failed:
+                logger.warning("%s aborting %s: %s", self.rank_info.log_prefix, r.rid, failed[i])
+                r.finished_reason = FinishReason("abort", message=failed[i], status_code=500)
+            else:
+                r.output_ids.append(tok)
+                r.check_finished(self.tokenizer)
             if r.finished:
                 self.kv.release(r)
                 self.reqs.pop(r.rid, None)

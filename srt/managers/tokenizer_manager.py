@@ -65,7 +65,8 @@ class TokenizerManager:
     def prepare_request(self, obj: GenerateReqInput) -> TokenizedGenerateReq:
         """Validate and tokenize; every user error is a ValueError raised here, before
         anything reaches the scheduler."""
-        return prepare_request(obj, self.tokenizer, self.scheduler_info)
+        return prepare_request(obj, self.tokenizer, self.scheduler_info,
+                               enable_custom_logit_processor=self.server_args.enable_custom_logit_processor)
 
     # ---- request lifecycle --------------------------------------------------------
     async def generate_request(

@@ -2,7 +2,9 @@
 
 FlashInfer samples by rejection with pivots inside one kernel (no sort). Its randomness
 comes from a Philox generator per batch, not per row, so batches with seeded requests stay
-on the hashed-uniform path (``sort_free``) to keep those requests reproducible.
+on the hashed-uniform path (``sort_free``) to keep those requests reproducible. Batches
+with min-p also stay there: FlashInfer's min-p kernel works on top-k/top-p-renormalised
+probabilities, which would change the kept set of rows that also use top-p.
 """
 from __future__ import annotations
 
@@ -18,20 +20,15 @@ def installed() -> bool:
 
 
 def usable(logits: torch.Tensor, info) -> bool:
-    return logits.is_cuda and installed() and all(s is None for s in info.seeds)
+    return (logits.is_cuda and installed() and not info.need_min_p
+            and all(s is None for s in info.seeds))
 
 
 def sample(logits: torch.Tensor, info) -> torch.Tensor:
-    """SGLang's use of the kernels: joint top-k/top-p, or renormalise then min-p."""
+    """Joint top-k / top-p (the same kept set as ``sort_free``), one fused kernel."""
     from flashinfer import sampling as fs
 
     probs = torch.softmax(logits, dim=-1)
-    gen = info.generator
-    if info.need_min_p:
-        probs = fs.top_k_renorm_probs(probs, info.top_ks.int())
-        probs = fs.top_p_renorm_probs(probs, info.top_ps)
-        ids = fs.min_p_sampling_from_probs(probs, info.min_ps, generator=gen)
-    else:
-        ids = fs.top_k_top_p_sampling_from_probs(probs, info.top_ks.int(), info.top_ps,
-                                                 filter_apply_order="joint", generator=gen)
+    ids = fs.top_k_top_p_sampling_from_probs(probs, info.top_ks.int(), info.top_ps,
+                                             filter_apply_order="joint", generator=info.generator)
     return ids.long()

@@ -17,7 +17,7 @@ import torch
 from sampling import flashinfer_backend
 from sampling.sampling_batch_info import SamplingBatchInfo
 from sampling.seeded_random import row_uniforms
-from sampling.sort_free import sample_filtered, sample_unfiltered, workspace_for
+from sampling.sort_free import sample_filtered, sample_unfiltered, workspace_for, workspace_rows
 
 logger = logging.getLogger(__name__)
 _LARGE_LOGIT = 1e30  # stands in for +inf; finite after dividing by any allowed temperature
@@ -65,7 +65,7 @@ class Sampler:
     def _workspace_for(self, logits: torch.Tensor) -> torch.Tensor:
         key = (logits.device, logits.shape[1])
         ws = self._workspace.get(key)
-        if ws is None or ws.shape[0] < min(len(logits), 8):
+        if ws is None or ws.shape[0] < workspace_rows(len(logits), logits.shape[1]):
             ws = self._workspace[key] = workspace_for(len(logits), logits.shape[1], logits.device)
         return ws
 
@@ -76,7 +76,8 @@ class Sampler:
         if not bad.any():
             return
         rows = bad.nonzero().squeeze(1)
-        sub = torch.nan_to_num(logits[rows], nan=float("-inf"), posinf=_LARGE_LOGIT)
+        sub = torch.nan_to_num(logits[rows], nan=float("-inf"), posinf=_LARGE_LOGIT,
+                               neginf=float("-inf"))
         empty = sub.amax(dim=-1) == float("-inf")
         sub[empty] = 0.0
         logits[rows] = sub

@@ -28,7 +28,7 @@ def splitmix64(x: int) -> int:
 def seeded_uniform(seed: int, position: int) -> float:
     """A uniform in the open interval (0, 1) determined by (seed, position) alone."""
     h = splitmix64(splitmix64(seed & _MASK64) ^ (position & _MASK64))
-    return ((h >> 11) + 0.5) * 2.0**-53  # 53 random bits, never exactly 0 or 1
+    return ((h >> 12) + 0.5) * 2.0**-52  # 52 bits + 1/2: exact, in [2^-53, 1 - 2^-53]
 
 
 def row_uniforms(seeds: Sequence[Optional[int]], positions: Sequence[int],

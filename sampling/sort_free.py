@@ -5,7 +5,7 @@ whole logits tensor first: one less sweep over [B, V] memory. Both paths pick, p
 (inverse-CDF sampling with one uniform ``u`` per row, see ``seeded_random``).
 
 - Unfiltered rows: a two-level inverse CDF. ``exp(x - max)`` is written into a small
-  reused workspace (a few rows at a time, so it stays in cache and costs no page faults),
+  reused workspace (8 MB of rows at a time, so it stays in cache and costs no page faults),
   summed per block of 1024 tokens; the block is found from the block sums and the token
   inside it. O(V) work, no sort, no [B, V] temporaries.
 - Rows with top-k / top-p / min-p: a bounded top-k pre-selection (FlashInfer's kernels
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 BLOCK = 1024  # tokens per block of the two-level inverse CDF
-ROW_CHUNK = 8  # rows per workspace pass: 8 x 248k floats = 8 MB stays in cache
+CHUNK_ELEMENTS = 1 << 21  # floats per workspace pass (8 MB): stays in cache, and few passes
 INITIAL_CANDIDATES = 256
 
 
@@ -39,9 +39,23 @@ def inverse_cdf(weights: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, idx, last_positive)
 
 
+def workspace_rows(batch_rows: int, vocab_size: int) -> int:
+    """Rows per pass: as many as fit CHUNK_ELEMENTS (fewer, larger ops keep both cores busy)."""
+    return max(1, min(batch_rows, CHUNK_ELEMENTS // vocab_size))
+
+
 def workspace_for(batch_rows: int, vocab_size: int, device) -> torch.Tensor:
+    """Zeroed once: the padding columns past the vocabulary are never written, so stay 0."""
     nb = -(-vocab_size // BLOCK)
-    return torch.zeros((min(batch_rows, ROW_CHUNK), nb * BLOCK), dtype=torch.float32, device=device)
+    return torch.zeros((workspace_rows(batch_rows, vocab_size), nb * BLOCK),
+                       dtype=torch.float32, device=device)
+
+
+def _scaled_exp(logits: torch.Tensor, row_max: torch.Tensor, inv_temps: torch.Tensor,
+                out: torch.Tensor) -> torch.Tensor:
+    """out = exp((logits - row_max) * inv_temps). Shift first: x - max is in [-inf, 0] and
+    cannot overflow, whereas a fused x * t - max * t can for huge finite logits."""
+    return torch.sub(logits, row_max, out=out).mul_(inv_temps).exp_()
 
 
 def sample_unfiltered(logits: torch.Tensor, inv_temps: torch.Tensor, u: torch.Tensor,
@@ -55,9 +69,7 @@ def sample_unfiltered(logits: torch.Tensor, inv_temps: torch.Tensor, u: torch.Te
         end = min(start + workspace.shape[0], b)
         c = end - start
         buf = workspace[:c]
-        torch.sub(logits[start:end], row_max[start:end], out=buf[:, :v])
-        buf[:, :v].mul_(inv_temps[start:end]).exp_()
-        buf[:, v:] = 0.0
+        _scaled_exp(logits[start:end], row_max[start:end], inv_temps[start:end], buf[:, :v])
         blocks = buf.view(c, nb, BLOCK)
         block_sums = blocks.sum(dim=-1).double()  # fp32 sums of 1024 terms: exact enough
         targets = u[start:end] * block_sums.sum(dim=1)
@@ -78,8 +90,7 @@ def _normalizers(logits: torch.Tensor, row_max: torch.Tensor, inv_temps: torch.T
     for start in range(0, b, workspace.shape[0]):
         end = min(start + workspace.shape[0], b)
         buf = workspace[: end - start, :v]
-        torch.sub(logits[start:end], row_max[start:end].unsqueeze(1), out=buf)
-        buf.mul_(inv_temps[start:end]).exp_()
+        _scaled_exp(logits[start:end], row_max[start:end].unsqueeze(1), inv_temps[start:end], buf)
         z[start:end] = buf.sum(dim=1)  # a float64 accumulate would copy the buffer
     return z
 

@@ -58,6 +58,21 @@ class BatchedPenalizer(ABC):
         """Append ``other``'s rows after ours."""
 
 
+class RowTensorPenalizer(BatchedPenalizer):
+    """A penalizer whose state is tensors with one row per request (named in ROW_FIELDS):
+    filtering and merging are the same row selection / concatenation for all of them."""
+
+    ROW_FIELDS: tuple[str, ...] = ()
+
+    def filter(self, keep: torch.Tensor) -> None:
+        for name in self.ROW_FIELDS:
+            setattr(self, name, getattr(self, name)[keep])
+
+    def merge(self, other: "RowTensorPenalizer") -> None:
+        for name in self.ROW_FIELDS:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+
+
 def output_counts(reqs: Sequence[PenalizedRequest], vocab_size: int,
                   device: torch.device) -> torch.Tensor:
     """float32 [B, V]: how many times each token occurs in each request's output so far."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from sampling.penaltylib.base import BatchedPenalizer, output_counts, row_values
+from sampling.penaltylib.base import RowTensorPenalizer, output_counts, row_values
 from sampling.sampling_params import SamplingParams
 
 
-class BatchedFrequencyPenalizer(BatchedPenalizer):
+class BatchedFrequencyPenalizer(RowTensorPenalizer):
+    ROW_FIELDS = ("penalties", "counts")
+
     def __init__(self, penalties: torch.Tensor, counts: torch.Tensor):
         self.penalties = penalties  # [B, 1]
         self.counts = counts  # [B, V] float32 output-token counts
@@ -32,11 +34,3 @@ class BatchedFrequencyPenalizer(BatchedPenalizer):
 
     def apply(self, logits: torch.Tensor) -> None:
         logits.addcmul_(self.counts, self.penalties, value=-1.0)
-
-    def filter(self, keep: torch.Tensor) -> None:
-        self.penalties = self.penalties[keep]
-        self.counts = self.counts[keep]
-
-    def merge(self, other: "BatchedFrequencyPenalizer") -> None:
-        self.penalties = torch.cat([self.penalties, other.penalties])
-        self.counts = torch.cat([self.counts, other.counts])

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from sampling.penaltylib.base import BatchedPenalizer, output_counts, row_values
+from sampling.penaltylib.base import RowTensorPenalizer, output_counts, row_values
 from sampling.sampling_params import SamplingParams
 
 
-class BatchedPresencePenalizer(BatchedPenalizer):
+class BatchedPresencePenalizer(RowTensorPenalizer):
+    ROW_FIELDS = ("penalties", "present")
+
     def __init__(self, penalties: torch.Tensor, present: torch.Tensor):
         self.penalties = penalties  # [B, 1]
         self.present = present  # [B, V] float32, 1.0 where the token occurred in the output
@@ -31,11 +33,3 @@ class BatchedPresencePenalizer(BatchedPenalizer):
 
     def apply(self, logits: torch.Tensor) -> None:
         logits.addcmul_(self.present, self.penalties, value=-1.0)
-
-    def filter(self, keep: torch.Tensor) -> None:
-        self.penalties = self.penalties[keep]
-        self.present = self.present[keep]
-
-    def merge(self, other: "BatchedPresencePenalizer") -> None:
-        self.penalties = torch.cat([self.penalties, other.penalties])
-        self.present = torch.cat([self.present, other.present])

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from sampling.penaltylib.base import BatchedPenalizer, row_values
+from sampling.penaltylib.base import RowTensorPenalizer, row_values
 from sampling.sampling_params import SamplingParams
 
 
-class BatchedRepetitionPenalizer(BatchedPenalizer):
+class BatchedRepetitionPenalizer(RowTensorPenalizer):
+    ROW_FIELDS = ("penalties", "seen")
+
     def __init__(self, penalties: torch.Tensor, seen: torch.Tensor):
         self.penalties = penalties  # [B, 1], 1.0 = neutral
         self.seen = seen  # [B, V] bool: token occurs in prompt or output
@@ -37,11 +39,3 @@ class BatchedRepetitionPenalizer(BatchedPenalizer):
     def apply(self, logits: torch.Tensor) -> None:
         scaled = torch.where(logits > 0, logits / self.penalties, logits * self.penalties)
         torch.where(self.seen, scaled, logits, out=logits)
-
-    def filter(self, keep: torch.Tensor) -> None:
-        self.penalties = self.penalties[keep]
-        self.seen = self.seen[keep]
-
-    def merge(self, other: "BatchedRepetitionPenalizer") -> None:
-        self.penalties = torch.cat([self.penalties, other.penalties])
-        self.seen = torch.cat([self.seen, other.seen])

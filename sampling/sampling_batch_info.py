@@ -10,6 +10,7 @@ masked token (-inf + b = -inf) and penalties act on the model's logits, not on b
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -36,8 +37,12 @@ class SamplingBatchInfo:
     vocab_size: int
     device: torch.device
     generator: torch.Generator  # unseeded rows; seeded identically on every rank
-    grammars: list[Optional[Any]] = field(default_factory=list)  # constrained generation
+    grammars: list[Optional[Any]] = field(default_factory=list)  # BaseGrammarObject or None
     vocab_mask: Optional[torch.Tensor] = None  # int32 [B, ceil(V/32)], filled per step
+    # Host-side mask buffer reused across steps while the batch size stays the same.
+    _mask_buffer: Optional[torch.Tensor] = None
+    mask_fill_seconds: float = 0.0  # this step's fill / apply times (for benchmarks)
+    mask_apply_seconds: float = 0.0
     # Derived by _refresh after every change of rows.
     is_all_greedy: bool = True
     has_greedy: bool = False
@@ -70,7 +75,7 @@ class SamplingBatchInfo:
             custom_params=[p.custom_params for p in params],
             penalizer_orchestrator=BatchedPenalizerOrchestrator.build(reqs, vocab_size, dev),
             vocab_size=vocab_size, device=dev, generator=generator,
-            grammars=[None] * len(reqs),
+            grammars=[getattr(r, "grammar", None) for r in reqs],
         )
         info._refresh()
         return info
@@ -103,7 +108,7 @@ class SamplingBatchInfo:
             old = getattr(self, name)
             setattr(self, name, [old[i] for i in keep])
         self.penalizer_orchestrator.filter(idx)
-        self.vocab_mask = None
+        self.vocab_mask = self._mask_buffer = None
         self._refresh()
 
     def merge_batch(self, other: "SamplingBatchInfo") -> None:
@@ -114,7 +119,7 @@ class SamplingBatchInfo:
                      "grammars"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.penalizer_orchestrator.merge(other.penalizer_orchestrator)
-        self.vocab_mask = None
+        self.vocab_mask = self._mask_buffer = None
         self._refresh()
 
     def cumulate_output_tokens(self, output_ids: torch.Tensor) -> None:
@@ -123,12 +128,36 @@ class SamplingBatchInfo:
         self.positions = [p + 1 for p in self.positions]
 
     # ---- the logits pipeline ------------------------------------------------------------
+    def update_regex_vocab_mask(self) -> None:
+        """Fill this step's grammar bitmask: one int32 row per request, ``ceil(V/32)`` words
+        wide for the model's (padded) vocabulary V. Rows of unconstrained requests and of
+        grammars that are finished, terminated or still reasoning allow every token; no
+        such row at all means no mask."""
+        start = time.perf_counter()
+        rows = [i for i, g in enumerate(self.grammars) if g is not None and g.needs_vocab_mask()]
+        if not rows:
+            self.vocab_mask = None
+            self.mask_fill_seconds = 0.0
+            return
+        first = self.grammars[rows[0]]
+        buf = self._mask_buffer
+        if buf is None or buf.shape[0] != len(self):
+            buf = self._mask_buffer = first.allocate_vocab_mask(self.vocab_size, len(self), self.device)
+        else:
+            buf.fill_(-1)
+        for i in rows:
+            self.grammars[i].fill_vocab_mask(buf, i)
+        self.vocab_mask = first.move_vocab_mask(buf, self.device)
+        self.mask_fill_seconds = time.perf_counter() - start
+
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
         """In place, in this order: penalties, vocab mask, logit bias, custom processors."""
         if self.penalizer_orchestrator.is_required:
             self.penalizer_orchestrator.apply(logits)
         if self.vocab_mask is not None:
+            start = time.perf_counter()
             apply_token_bitmask_inplace(logits, self.vocab_mask)
+            self.mask_apply_seconds = time.perf_counter() - start
         if any(self.logit_bias):
             rows, cols, vals = self._logit_bias_index()
             logits.index_put_((rows, cols), vals, accumulate=True)

@@ -9,7 +9,8 @@ from typing import Any, Mapping, Optional
 _GREEDY_EPS = 1e-6
 _MAX_SEED = 2**63 - 1
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
-CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "choice", "structural_tag")
+_MAX_CHOICES = 1024
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class SamplingParams:
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    choice: Optional[tuple[str, ...]] = None
     structural_tag: Optional[str] = None
     # CustomLogitProcessor.to_str() ({"callable": "module:Class"}; needs
     # --enable-custom-logit-processor) and the JSON parameters it receives for this request.
@@ -70,11 +72,12 @@ class SamplingParams:
         else:
             raise ValueError("stop_token_ids must be a list of integers")
         d["logit_bias"] = _parse_logit_bias(d.get("logit_bias"))
-        if isinstance(d.get("json_schema"), Mapping):
-            d["json_schema"] = json.dumps(d["json_schema"])
-        if isinstance(d.get("structural_tag"), Mapping):
-            d["structural_tag"] = json.dumps(d["structural_tag"])
-        for name in (*CONSTRAINT_FIELDS, "custom_logit_processor"):
+        for name in ("json_schema", "structural_tag"):
+            if d.get(name) is not None:
+                d[name] = _canonical_json(name, d[name])
+        if d.get("choice") is not None:
+            d["choice"] = _parse_choice(d["choice"])
+        for name in ("regex", "ebnf", "custom_logit_processor"):
             if d.get(name) is not None and not isinstance(d[name], str):
                 raise ValueError(f"{name} must be a string, got {d[name]!r}")
         if d.get("custom_params") is not None and not isinstance(d["custom_params"], Mapping):
@@ -155,15 +158,42 @@ class SamplingParams:
 
     @property
     def constraint(self) -> Optional[tuple[str, str]]:
-        """(kind, spec) of the request's grammar constraint, if any."""
+        """(kind, normalized spec) of the request's grammar constraint, if any: the key of
+        the grammar cache (choice lists are JSON-encoded)."""
         for name in CONSTRAINT_FIELDS:
-            if getattr(self, name) is not None:
-                return name, getattr(self, name)
+            value = getattr(self, name)
+            if value is not None:
+                return name, json.dumps(list(value), ensure_ascii=False) if name == "choice" else value
         return None
 
     @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+
+def _canonical_json(name: str, value: Any) -> str:
+    """An object or JSON text -> compact JSON text, so equal specs share one cache entry.
+    Key order is kept: it decides the order in which properties are generated."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if name == "json_schema" and not isinstance(value, (Mapping, bool)):
+        raise ValueError(f"json_schema must be a JSON object, got {type(value).__name__}")
+    if name == "structural_tag" and not isinstance(value, Mapping):
+        raise ValueError(f"structural_tag must be a JSON object, got {type(value).__name__}")
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _parse_choice(raw: Any) -> tuple[str, ...]:
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise ValueError(f"choice must be a non-empty list of strings, got {raw!r}")
+    if not all(isinstance(c, str) and c for c in raw):
+        raise ValueError("choice must be a list of non-empty strings")
+    if len(raw) > _MAX_CHOICES:
+        raise ValueError(f"choice may list at most {_MAX_CHOICES} strings, got {len(raw)}")
+    return tuple(raw)
 
 
 def _parse_logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:

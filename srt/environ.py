@@ -65,6 +65,14 @@ GRAMSYNC_STARTUP_TIMEOUT = EnvVar(
     "GRAMSYNC_STARTUP_TIMEOUT", float, 600.0,
     "Seconds the launcher waits for the scheduler ranks to load the model and report ready.",
 )
+SGLANG_GRAMMAR_POLL_INTERVAL = EnvVar(
+    "SGLANG_GRAMMAR_POLL_INTERVAL", float, 0.005,
+    "Seconds each scheduler iteration waits for pending grammar compiles (per call, not per request).",
+)
+SGLANG_GRAMMAR_MAX_POLL_ITERATIONS = EnvVar(
+    "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS", int, 10000,
+    "Scheduler iterations a request may wait for its grammar before it is aborted (400, timed out).",
+)
 
 ALL_ENV_VARS: tuple[EnvVar, ...] = (
     SGLANG_REQ_WAITING_TIMEOUT,
@@ -73,6 +81,8 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     GRAMSYNC_CACHE_DIR,
     GRAMSYNC_SCHEDULER_IDLE_WAIT,
     GRAMSYNC_STARTUP_TIMEOUT,
+    SGLANG_GRAMMAR_POLL_INTERVAL,
+    SGLANG_GRAMMAR_MAX_POLL_ITERATIONS,
 )
 
 

@@ -98,5 +98,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        info.update_regex_vocab_mask()
         info.apply_logits_bias(logits)
         return self.sampler(logits, info)

@@ -35,6 +35,15 @@ class ServerArgs:
     random_seed: Optional[int] = _f(None, "Seed for unseeded sampling (default: random, shared by all ranks).")
     # Sampling
     enable_custom_logit_processor: bool = _f(False, "Allow requests to carry a custom logit processor (a CustomLogitProcessor class importable on the server).")
+    # Constrained generation
+    grammar_backend: str = _f("xgrammar", "Grammar backend: xgrammar, llguidance, auto (xgrammar, falling back per request to llguidance), none (reject constraints), or a name registered with register_grammar_backend (see --grammar-backend-plugins).")
+    grammar_backend_plugins: Optional[str] = _f(None, "Comma-separated modules every scheduler rank imports before creating the grammar backend (they call register_grammar_backend).")
+    constrained_json_disable_any_whitespace: bool = _f(False, "JSON constraints allow no whitespace between tokens (compact separators ',' and ':').")
+    constrained_json_whitespace_pattern: Optional[str] = _f(None, "Regex for the whitespace allowed between JSON tokens (llguidance; with auto, JSON requests then go to llguidance).")
+    constrained_json_max_whitespace: int = _f(16, "Most whitespace characters allowed between two JSON tokens, so a weak model cannot loop on whitespace (0: unbounded).")
+    grammar_compile_threads: int = _f(2, "Threads per rank that compile grammars in the background.")
+    grammar_cache_size: int = _f(1024, "Compiled grammars (and compile failures) kept per rank, least recently used evicted.")
+    reasoning_parser: Optional[str] = _f(None, "Thinking-model format: constraints start after the think-end token (qwen3, deepseek-r1).", ["qwen3", "deepseek-r1"])
     # Parallelism (multi-rank arrives with the distributed issue)
     tp_size: int = _f(1, "Tensor-parallel size.")
     dp_size: int = _f(1, "Data-parallel size.")
@@ -54,6 +63,13 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be at least 2")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
+        if self.grammar_compile_threads < 1 or self.grammar_cache_size < 1:
+            raise ValueError("--grammar-compile-threads and --grammar-cache-size must be at least 1")
+        if self.constrained_json_max_whitespace < 0:
+            raise ValueError("--constrained-json-max-whitespace must be at least 0")
+        if self.constrained_json_whitespace_pattern is not None and self.grammar_backend == "xgrammar":
+            raise ValueError("--constrained-json-whitespace-pattern needs --grammar-backend "
+                             "llguidance or auto (xgrammar has no whitespace patterns)")
 
     def resolved(self) -> "ServerArgs":
         """Fix choices that every rank must share (the random seed) before spawning ranks."""

@@ -29,7 +29,7 @@ def get_tokenizer(path: str, chat_template_path: Optional[str] = None):
 
 
 def apply_chat_template(
-    tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True
+    tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True, **template_kwargs
 ) -> list[int]:
     """Render ``messages`` with the tokenizer's Jinja chat template into token ids.
 
@@ -47,6 +47,7 @@ def apply_chat_template(
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             return_dict=False,
+            **template_kwargs,
         )
     except ValueError:
         raise

@@ -36,10 +36,8 @@ def smollm2_tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory, smollm2_dir):
-    """Base URL of ONE real server (`python launch.py`, embedded SmolLM2 on CPU) shared by
-    the whole session; started with --enable-custom-logit-processor."""
+def _launch_server(tmp_path_factory, model_dir: str, extra_args: list[str]):
+    """Yield the base URL of a real server (`python launch.py`, embedded SmolLM2 on CPU)."""
     import httpx
 
     with socket.socket() as s:
@@ -49,8 +47,8 @@ def server(tmp_path_factory, smollm2_dir):
     log = open(log_path, "wb")
     proc = subprocess.Popen(
         [sys.executable, "launch.py", "--max-total-tokens", "4096", "--port", str(port),
-         "--model-path", smollm2_dir, "--served-model-name", "smollm2", "--log-level", "warning",
-         "--enable-custom-logit-processor"],
+         "--model-path", model_dir, "--served-model-name", "smollm2", "--log-level", "warning",
+         *extra_args],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     base = f"http://127.0.0.1:{port}"
@@ -80,3 +78,22 @@ def server(tmp_path_factory, smollm2_dir):
             except subprocess.TimeoutExpired:
                 continue
         log.close()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, smollm2_dir):
+    """ONE real server shared by the whole session: the default grammar backend (xgrammar),
+    started with --enable-custom-logit-processor."""
+    yield from _launch_server(tmp_path_factory, smollm2_dir, ["--enable-custom-logit-processor"])
+
+
+@pytest.fixture(scope="session")
+def server_llguidance(tmp_path_factory, smollm2_dir):
+    """A real server with --grammar-backend llguidance."""
+    yield from _launch_server(tmp_path_factory, smollm2_dir, ["--grammar-backend", "llguidance"])
+
+
+@pytest.fixture(scope="session")
+def server_auto(tmp_path_factory, smollm2_dir):
+    """A real server with --grammar-backend auto (xgrammar, per-request llguidance fallback)."""
+    yield from _launch_server(tmp_path_factory, smollm2_dir, ["--grammar-backend", "auto"])

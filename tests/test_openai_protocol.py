@@ -17,11 +17,11 @@ INFO = SchedulerInfo(max_total_num_tokens=4096, max_running_requests=8, context_
 DISALLOW = DisallowedTokensLogitsProcessor.to_str()
 
 
-def _prepare(body: dict, enable_clp: bool = True):
+def _prepare(body: dict, enable_clp: bool = True, grammar_backend: str = "xgrammar"):
     """An OpenAI completion body through the same path the server takes (minus HTTP)."""
     req = CompletionRequest.model_validate({"prompt": [5, 6, 7], **body})
     return prepare_request(req.generate_input("rid", input_ids=req.single_prompt()), None, INFO,
-                           enable_custom_logit_processor=enable_clp)
+                           enable_custom_logit_processor=enable_clp, grammar_backend=grammar_backend)
 
 
 def test_chat_mapping_and_defaults():
@@ -44,7 +44,8 @@ def test_chat_mapping_and_defaults():
 @pytest.mark.parametrize("extra,msg", [
     ({"n": 2}, "n must be 1"), ({"bogus": 1}, "bogus"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),
     ({"messages": []}, "messages"), ({"max_tokens": -1}, "max_tokens"),
 ])
@@ -126,8 +127,13 @@ def test_penalties_logit_bias_and_extras_are_mapped():
     ({"logit_bias": {"5": 101}}, "logit_bias values must be in [-100, 100], got 101.0 for token 5"),
     ({"logit_bias": {"1000": 1}}, "logit_bias token ids must be in [0, 1000), got 1000"),
     ({"regex": "a+", "ebnf": "root ::= 'a'"}, "Only one constraint kind per request is allowed, got regex and ebnf"),
-    ({"json_schema": {"type": "object"}}, "Constrained generation (json_schema) is not available yet"),
-    ({"regex": "[0-9]+"}, "Constrained generation (regex) is not available yet in this version of gramsync."),
+    ({"json_schema": "{not json"}, "json_schema is not valid JSON"),
+    ({"json_schema": "[1, 2]"}, "json_schema must be a JSON object"),
+    ({"choice": []}, "choice must be a non-empty list of strings"),
+    ({"choice": ["a", ""]}, "choice must be a list of non-empty strings"),
+    ({"regex": "a", "choice": ["a"]}, "Only one constraint kind per request is allowed, got regex and choice"),
+    ({"json_schema": {"type": "object"}, "response_format": {"type": "json_object"}},
+     "response_format and json_schema both give a constraint"),
     ({"custom_params": {"token_ids": [1]}}, "custom_params needs a custom_logit_processor"),
     ({"custom_logit_processor": "nope"}, "custom_logit_processor is not valid JSON"),
     ({"custom_logit_processor": DISALLOW, "custom_params": {"token_ids": [1000]}},
@@ -137,6 +143,25 @@ def test_range_and_constraint_errors_are_value_errors_with_the_message(body, msg
     with pytest.raises(ValueError) as e:  # the handlers turn these into HTTP 400
         _prepare(body)
     assert msg in str(e.value)
+
+
+def test_constraints_map_to_sampling_params():
+    assert _prepare({"regex": "[0-9]+"}).sampling_params.constraint == ("regex", "[0-9]+")
+    assert _prepare({"choice": ["a", "b"]}).sampling_params.constraint == ("choice", '["a", "b"]')
+    # Equal schemas written differently share one cache key; key order is kept.
+    a = _prepare({"json_schema": '{ "type" : "object", "properties": {"b": {}, "a": {}} }'})
+    b = _prepare({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "object", "properties": {"b": {}, "a": {}}}}}})
+    assert a.sampling_params.constraint == b.sampling_params.constraint == (
+        "json_schema", '{"type":"object","properties":{"b":{},"a":{}}}')
+    assert _prepare({"response_format": {"type": "json_object"}}).sampling_params.json_schema == '{"type":"object"}'
+    assert _prepare({"response_format": {"type": "text"}}).sampling_params.constraint is None
+
+
+def test_constraints_are_rejected_when_the_backend_is_none():
+    with pytest.raises(ValueError, match=r"disabled on this server \(--grammar-backend none\)"):
+        _prepare({"regex": "a"}, grammar_backend="none")
+    assert _prepare({}, grammar_backend="none").sampling_params.constraint is None
 
 
 def test_custom_logit_processor_needs_the_server_flag():

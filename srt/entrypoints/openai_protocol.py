@@ -4,8 +4,10 @@ Mapping (``to_sampling_params``): max_tokens / max_completion_tokens -> max_new_
 min_tokens -> min_new_tokens, stop, seed, temperature, top_p, frequency_penalty,
 presence_penalty and logit_bias (token-id string keys) keep their names; SGLang's extras
 top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, skip_special_tokens, regex,
-ebnf (and json_schema for completions) and custom_params pass through, and
-custom_logit_processor goes to the native request's top level. Value ranges are checked
+ebnf, choice (and json_schema for completions) and custom_params pass through, and
+custom_logit_processor goes to the native request's top level. ``response_format``
+json_schema / json_object / structural_tag become the json_schema / structural_tag
+constraint (json_object = the schema ``{"type": "object"}``, as in SGLang). Value ranges are checked
 once, by SamplingParams, so both APIs return the same 400 messages.
 
 Unknown-field policy: requests are ``extra="forbid"``, so a misspelt or unknown field is a
@@ -13,7 +15,7 @@ Unknown-field policy: requests are ``extra="forbid"``, so a misspelt or unknown 
  - ignored when they cannot change the generated text (``user``, ``metadata``, ``store``,
    ``service_tier``, ``parallel_tool_calls``, ``stream_options.include_obfuscation``);
  - accepted at their neutral value and rejected with "<field> is not supported" otherwise
-   (``n``, ``logprobs``, ``tools``, ``response_format``, ``echo``, ...). We never silently
+   (``n``, ``logprobs``, ``tools``, ``echo``, ...). We never silently
    ignore something that would change the output.
 """
 from __future__ import annotations
@@ -36,7 +38,6 @@ _NEUTRAL = {
     "suffix": lambda v: not v,
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "modalities": lambda v: v in (None, ["text"]),
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
@@ -46,7 +47,8 @@ _NEUTRAL = {
 # Request fields passed to SamplingParams under the same name when set.
 _SAME_NAME = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
               "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
-              "regex", "ebnf", "json_schema", "custom_params")
+              "regex", "ebnf", "choice", "json_schema", "custom_params")
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 
 
 class StreamOptions(BaseModel):
@@ -82,6 +84,8 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: Optional[float] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    choice: Optional[list[str]] = None
+    response_format: Optional[dict[str, Any]] = None
     custom_logit_processor: Optional[str] = None  # CustomLogitProcessor.to_str()
     custom_params: Optional[dict[str, Any]] = None
 
@@ -90,6 +94,12 @@ class _SamplingRequest(BaseModel):
     def _only_one_choice(cls, v: int) -> int:
         if v != 1:
             raise ValueError(f"n must be 1 (several choices per request are not supported), got {v}")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _known_response_format(cls, v: Optional[dict]) -> Optional[dict]:
+        response_format_constraint(v)  # raises with the reason
         return v
 
     @model_validator(mode="after")
@@ -108,6 +118,12 @@ class _SamplingRequest(BaseModel):
         for name in _SAME_NAME:
             if getattr(self, name, None) is not None:
                 d[name] = getattr(self, name)
+        constraint = response_format_constraint(self.response_format)
+        if constraint is not None:
+            kind, spec = constraint
+            if kind in d:
+                raise ValueError(f"response_format and {kind} both give a constraint: use one.")
+            d[kind] = spec
         return d
 
     def generate_input(self, rid: str, **prompt) -> GenerateReqInput:
@@ -149,13 +165,21 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Any]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false}
     modalities: Optional[list[str]] = None
     audio: Optional[dict[str, Any]] = None
     prediction: Optional[dict[str, Any]] = None
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
+
+    def requires_reasoning(self, reasoning_parser: Optional[str]) -> bool:
+        """Does the model think before answering (so the constraint starts later)?
+        deepseek-r1 always does; qwen3 unless ``chat_template_kwargs.enable_thinking`` is
+        false (then its template closes the think block in the prompt)."""
+        if reasoning_parser is None:
+            return False
+        return reasoning_parser == "deepseek-r1" or (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
 
     def sampling_params(self) -> dict:
         mx = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -181,6 +205,28 @@ class CompletionRequest(_SamplingRequest):
     def sampling_params(self) -> dict:
         # Completions default to 16 tokens in OpenAI's API (chat defaults to the context).
         return self.to_sampling_params(self.max_tokens if self.max_tokens is not None else 16)
+
+
+def response_format_constraint(rf: Optional[dict]) -> Optional[tuple[str, Any]]:
+    """OpenAI ``response_format`` -> (constraint kind, spec), or None for plain text."""
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind not in _RESPONSE_FORMATS:
+        raise ValueError(f"response_format.type must be one of {', '.join(_RESPONSE_FORMATS)}, got {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_schema", {"type": "object"}
+    if kind == "structural_tag":
+        return "structural_tag", rf
+    spec = rf.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise ValueError('response_format of type json_schema needs "json_schema": '
+                         '{"name": ..., "schema": {...}}')
+    if not isinstance(spec["schema"], (dict, bool)):
+        raise ValueError("response_format.json_schema.schema must be a JSON object")
+    return "json_schema", spec["schema"]
 
 
 # ---- responses ------------------------------------------------------------------------

@@ -116,8 +116,9 @@ class OpenAIServing:
             return err
         try:
             messages = [m.for_template() for m in body.messages]
-            ids = apply_chat_template(self.tm.tokenizer, messages)
+            ids = apply_chat_template(self.tm.tokenizer, messages, **(body.chat_template_kwargs or {}))
             obj = body.generate_input(uuid.uuid4().hex, input_ids=ids)
+            obj.require_reasoning = body.requires_reasoning(self.tm.server_args.reasoning_parser)
             req = self.tm.prepare_request(obj)
         except ValueError as e:
             return error_response(str(e))

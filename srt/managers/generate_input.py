@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from constrained.grammar_manager import DISABLED_MESSAGE
 from sampling.custom_logit_processor import validate_custom_logit_processor
 from sampling.sampling_params import SamplingParams
 from srt.managers.io_struct import SchedulerInfo, TokenizedGenerateReq
@@ -29,6 +30,8 @@ class GenerateReqInput:
     stream: bool = False
     rid: Optional[str] = None
     custom_logit_processor: Optional[str] = None
+    # Thinking models (--reasoning-parser): the constraint starts after the think end.
+    require_reasoning: bool = False
 
     @classmethod
     def from_dict(cls, d: Any) -> "GenerateReqInput":
@@ -39,7 +42,7 @@ class GenerateReqInput:
         if unknown:
             raise ValueError(f"Unknown field(s) in request: {', '.join(unknown)}")
         checks = {"text": str, "sampling_params": Mapping, "stream": bool, "rid": str,
-                  "custom_logit_processor": str}
+                  "custom_logit_processor": str, "require_reasoning": bool}
         for name, typ in checks.items():
             if d.get(name) is not None and not isinstance(d[name], typ):
                 if name in ("text", "rid") and isinstance(d[name], list):
@@ -52,10 +55,13 @@ class GenerateReqInput:
 
 
 def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
-                    enable_custom_logit_processor: bool = False) -> TokenizedGenerateReq:
+                    enable_custom_logit_processor: bool = False,
+                    grammar_backend: str = "xgrammar") -> TokenizedGenerateReq:
     """Validate and tokenize; every user error is a ValueError raised here, before
-    anything reaches the scheduler. ``enable_custom_logit_processor`` is the server flag
-    (a frontend-only policy, so it is passed here rather than carried in SchedulerInfo)."""
+    anything reaches the scheduler. ``enable_custom_logit_processor`` and
+    ``grammar_backend`` are server flags (frontend policies, passed here rather than
+    carried in SchedulerInfo). Grammars compile on the scheduler ranks, which report
+    compile errors as 400s; here only the spec's shape is checked."""
     if (obj.text is None) == (obj.input_ids is None):
         raise ValueError("Exactly one of text or input_ids must be given.")
     sp = dict(obj.sampling_params or {})
@@ -68,10 +74,9 @@ def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
     params = SamplingParams.from_dict(sp)
     vocab = info.vocab_size
     params.verify(vocab)
-    if params.constraint is not None:
+    if params.constraint is not None and grammar_backend == "none":
         # Never ignore a constraint silently: the output would not follow it.
-        raise ValueError(f"Constrained generation ({params.constraint[0]}) is not available "
-                         "yet in this version of gramsync.")
+        raise ValueError(DISABLED_MESSAGE.format(kind=params.constraint[0]))
     if params.custom_logit_processor is not None:
         if not enable_custom_logit_processor:
             raise ValueError("This server does not accept custom logit processors: start it "
@@ -114,7 +119,8 @@ def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
             "completion to fit within the limit."
         )
     rid = obj.rid if obj.rid is not None else uuid.uuid4().hex
-    return TokenizedGenerateReq(rid, tuple(input_ids), params, bool(obj.stream))
+    return TokenizedGenerateReq(rid, tuple(input_ids), params, bool(obj.stream),
+                                require_reasoning=bool(obj.require_reasoning))
 
 
 def _is_int(v: Any) -> bool:

@@ -34,6 +34,8 @@ class TokenizedGenerateReq:
     input_ids: tuple[int, ...]
     sampling_params: SamplingParams
     stream: bool = False
+    # Thinking models: the constraint starts after the think-end token (--reasoning-parser).
+    require_reasoning: bool = False
 
 
 @dataclass(frozen=True)

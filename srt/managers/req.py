@@ -10,7 +10,7 @@ from srt.managers.io_struct import FinishReason
 
 class Req:
     def __init__(self, rid: str, input_ids: tuple[int, ...], params: SamplingParams,
-                 stream: bool, eos_token_ids: frozenset[int]):
+                 stream: bool, eos_token_ids: frozenset[int], require_reasoning: bool = False):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
         self.sampling_params = params
@@ -26,6 +26,12 @@ class Req:
         # Wall-clock times: read only on the entry rank (timeouts are decided there).
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: Optional[float] = None
+        # Constrained generation (constrained/grammar_manager.py).
+        self.require_reasoning = require_reasoning
+        self.grammar = None  # BaseGrammarObject once compiled and agreed on
+        self.grammar_key: Optional[tuple[str, str]] = None
+        self.grammar_future = None  # Future while waiting in the grammar queue
+        self.grammar_wait_ct = 0  # scheduler polls spent waiting (identical on every rank)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -49,6 +55,10 @@ class Req:
             return
         params = self.sampling_params
         n = len(self.output_ids)
+        if self.grammar is not None and self.grammar.is_terminated():
+            # The grammar reached its end (EOS taken, or nothing but EOS could follow).
+            self.finished_reason = FinishReason("stop", matched=self.output_ids[-1])
+            return
         if n >= params.min_new_tokens:
             last = self.output_ids[-1]
             if last in self.stop_ids:

@@ -1,7 +1,7 @@
 """The scheduler every rank runs: the same loop, in the same order, on identical inputs.
 
-Per iteration: receive (entry rank) and broadcast new requests and aborts -> poll grammars
-(constrained-generation issue) -> pick a prefill or decode batch under the token and KV
+Per iteration: receive (entry rank) and broadcast new requests and aborts -> poll grammar
+compiles and agree on them (GrammarManager) -> pick a prefill or decode batch under the token and KV
 budgets -> forward -> sample -> append tokens, check stop conditions, free finished
 requests -> the entry rank sends outputs to the frontend.
 """
@@ -15,6 +15,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from constrained.grammar_manager import GrammarManager
+from constrained.registry import create_grammar_backend
 from distributed.parallel_state import RankInfo, TPGroup
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
@@ -55,10 +57,17 @@ class Scheduler:
         self.generator.manual_seed(server_args.random_seed or 0)
         self.clip_new_tokens = environ.SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION.get()
         self.num_retractions = 0
+        backend = create_grammar_backend(server_args, tokenizer, self.vocab_size,
+                                         tuple(model_config.eos_token_ids))
+        self.grammar_manager = GrammarManager(backend, tp, rank_info.log_prefix)
+        # Seconds spent filling / applying grammar masks, for benchmarks and logs.
+        self.mask_fill_seconds = self.mask_apply_seconds = 0.0
+        self.mask_steps = 0
 
     # ---- input -----------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pending_outputs)
+        return bool(self.waiting or self.running or self.pending_outputs
+                    or self.grammar_manager.grammar_queue)
 
     def process_input_requests(self, msgs: list[Message]) -> None:
         for m in msgs:
@@ -77,12 +86,16 @@ class Scheduler:
         params = m.sampling_params
         if n + params.max_new_tokens > ctx:  # clip like SGLang: never run past the context
             params = dataclasses.replace(params, max_new_tokens=max(ctx - n, 0))
-        req = Req(m.rid, m.input_ids, params, m.stream, self.eos_ids)
+        req = Req(m.rid, m.input_ids, params, m.stream, self.eos_ids, m.require_reasoning)
         error = self._validate(req)
         if error is not None:
             req.finished_reason = FinishReason("abort", message=error, status_code=400)
         elif params.max_new_tokens == 0:
             req.finished_reason = FinishReason("length", matched=0)
+        elif params.constraint is not None:
+            if self.grammar_manager.process_req_with_grammar(req):
+                self.reqs[req.rid] = req  # waits in the grammar queue
+                return
         if req.finished:
             self.pending_outputs.append(req)
             return
@@ -108,7 +121,7 @@ class Scheduler:
             return  # already finished: its final output was sent
         if req in self.running:
             self._keep_running([r for r in self.running if r is not req])
-        else:
+        elif not self.grammar_manager.abort(req):
             self.waiting.remove(req)
         self.kv.release(req)
         req.finished_reason = FinishReason("abort", message=m.message, status_code=m.status_code)
@@ -123,7 +136,7 @@ class Scheduler:
         if wait_limit > 0:
             out += [AbortReq(r.rid, f"Request waited more than {wait_limit} s in the queue "
                              "(SGLANG_REQ_WAITING_TIMEOUT).", 503)
-                    for r in self.waiting
+                    for r in list(self.waiting) + self.grammar_manager.grammar_queue
                     if r.first_scheduled_time is None and now - r.arrival_time > wait_limit]
         if run_limit > 0:
             out += [AbortReq(r.rid, f"Request ran more than {run_limit} s "
@@ -134,6 +147,7 @@ class Scheduler:
 
     # ---- one iteration -----------------------------------------------------------------
     def step(self) -> list[BatchTokenOut]:
+        self._poll_grammars()
         touched = self.pending_outputs
         self.pending_outputs = []
         batch = self._get_next_batch_to_run()
@@ -142,6 +156,14 @@ class Scheduler:
             self._run_batch(mode, reqs)
             touched = touched + reqs
         return self._make_outputs(touched)
+
+    def _poll_grammars(self) -> None:
+        """Agreed-ready constrained requests join the waiting queue; agreed-failed ones end."""
+        ready, failed = self.grammar_manager.get_ready_grammar_requests()
+        self.waiting.extend(ready)
+        for req in failed:
+            self.reqs.pop(req.rid, None)
+            self.pending_outputs.append(req)
 
     def _get_next_batch_to_run(self) -> Optional[tuple[ForwardMode, list[Req]]]:
         adder = PrefillAdder(self.running, self.kv.available_tokens(),
@@ -191,16 +213,24 @@ class Scheduler:
             info = self.running_info
             assert info is not None and len(info) == len(reqs), "sampling state out of step"
         next_ids = self.runner.sample(logits, info)
+        if info.vocab_mask is not None:
+            self.mask_fill_seconds += info.mask_fill_seconds
+            self.mask_apply_seconds += info.mask_apply_seconds
+            self.mask_steps += 1
         info.cumulate_output_tokens(next_ids)
         failed = info.take_failed_rows()
         for i, (r, tok) in enumerate(zip(reqs, next_ids.tolist())):
-            if i in failed:
+            if i not in failed:
+                r.output_ids.append(tok)
+                failed[i] = self._accept_into_grammar(r, tok)
+            if failed[i] is not None:
                 logger.warning("%s aborting %s: %s", self.rank_info.log_prefix, r.rid, failed[i])
                 r.finished_reason = FinishReason("abort", message=failed[i], status_code=500)
             else:
-                r.output_ids.append(tok)
                 r.check_finished(self.tokenizer)
             if r.finished:
+                if r.grammar is not None:
+                    r.grammar.finished = True
                 self.kv.release(r)
                 self.reqs.pop(r.rid, None)
         if mode is ForwardMode.DECODE:
@@ -216,6 +246,17 @@ class Scheduler:
             self.running_info = info
         else:
             self.running_info.merge_batch(info)
+
+    @staticmethod
+    def _accept_into_grammar(req: Req, token: int) -> Optional[str]:
+        """Advance the request's grammar; an error message if it rejects the token."""
+        if req.grammar is None:
+            return None
+        try:
+            req.grammar.accept_token(token)
+        except Exception as e:  # aborts this request only
+            return f"Grammar rejected the sampled token {token}: {e}"
+        return None
 
     def _keep_running(self, kept: list[Req]) -> None:
         """Shrink `running` to `kept` (a subsequence) and its sampling state with it."""

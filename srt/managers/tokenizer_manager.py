@@ -66,7 +66,8 @@ class TokenizerManager:
         """Validate and tokenize; every user error is a ValueError raised here, before
         anything reaches the scheduler."""
         return prepare_request(obj, self.tokenizer, self.scheduler_info,
-                               enable_custom_logit_processor=self.server_args.enable_custom_logit_processor)
+                               enable_custom_logit_processor=self.server_args.enable_custom_logit_processor,
+                               grammar_backend=self.server_args.grammar_backend)
 
     # ---- request lifecycle --------------------------------------------------------
     async def generate_request(

@@ -1,0 +1,91 @@
+"""``--grammar-backend auto``: xgrammar first, llguidance per request when xgrammar rejects
+the spec or the spec uses a feature xgrammar is known to approximate silently.
+
+xgrammar (0.2.x) compiles oneOf as anyOf, only partly enforces allOf, ignores length
+bounds next to a pattern and drops not/if/uniqueItems/contains; llguidance enforces those
+or rejects the schema. Why a request went to llguidance is in its GrammarStats."""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, clean_error
+from constrained.grammar_config import GrammarBackendConfig
+from constrained.llguidance_backend import GuidanceBackend
+from constrained.xgrammar_backend import XGrammarGrammarBackend
+
+_XGRAMMAR_APPROXIMATES = ("oneOf", "not", "if", "uniqueItems", "contains", "dependentRequired",
+                          "dependentSchemas", "patternProperties", "propertyNames")
+
+
+def xgrammar_known_issue(spec: str) -> Optional[str]:
+    """The first JSON-schema feature xgrammar would approximate, or None."""
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if found:
+            return
+        if isinstance(node, dict):
+            for key in _XGRAMMAR_APPROXIMATES:
+                if key in node:
+                    found.append(key)
+                    return
+            if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+                found.append("allOf")
+                return
+            if "pattern" in node and ("minLength" in node or "maxLength" in node):
+                found.append("pattern with minLength/maxLength")
+                return
+            for key, value in node.items():
+                if key not in ("enum", "const", "default", "examples"):  # data, not schema
+                    walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(json.loads(spec))
+    return found[0] if found else None
+
+
+class AutoGrammarBackend(BaseGrammarBackend):
+    name = "auto"
+
+    def __init__(self, xgrammar_backend: XGrammarGrammarBackend, guidance_backend: GuidanceBackend,
+                 config: GrammarBackendConfig) -> None:
+        super().__init__(config.num_threads, config.cache_size)
+        # The inner backends only compile (their dispatch_* run on our pool).
+        self.xgrammar, self.guidance = xgrammar_backend, guidance_backend
+        self.json_to_guidance = config.json.whitespace_pattern is not None
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, config: GrammarBackendConfig) -> "AutoGrammarBackend":
+        import dataclasses
+
+        xgr_config = dataclasses.replace(config, json=dataclasses.replace(config.json, whitespace_pattern=None))
+        return cls(XGrammarGrammarBackend.from_tokenizer(tokenizer, xgr_config),
+                   GuidanceBackend.from_tokenizer(tokenizer, config), config)
+
+    def dispatch(self, key: tuple[str, str]) -> BaseGrammarObject:
+        kind, spec = key
+        reason = None
+        if kind == "json_schema":
+            reason = ("--constrained-json-whitespace-pattern" if self.json_to_guidance
+                      else xgrammar_known_issue(spec))
+            reason = reason and f"uses {reason}"
+        if reason is None:
+            try:
+                value = self.xgrammar.dispatch(key)
+                value.stats.dispatch_type = "xgrammar"
+                return value
+            except Exception as e:
+                reason = f"xgrammar rejected it: {clean_error(e)}"
+        try:
+            value = self.guidance.dispatch(key)
+        except Exception as e:
+            raise ValueError(f"{reason}; llguidance: {clean_error(e)}") from None
+        value.stats.dispatch_type = f"llguidance (fallback: {reason})"
+        return value
+
+    def shutdown(self) -> None:
+        for backend in (self, self.xgrammar, self.guidance):
+            BaseGrammarBackend.shutdown(backend)

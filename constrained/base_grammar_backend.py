@@ -1,0 +1,177 @@
+"""The grammar-object interface and the compile-and-cache machinery every backend shares.
+
+A backend compiles ``(kind, normalized spec)`` keys on a thread pool. The cache holds
+only results the scheduler has *agreed* on (``set_cache`` is called by the grammar
+manager after the cross-rank agreement), so on every rank of a TP group the same request
+sees the same hit or miss. In-flight compiles are a per-rank optimisation: concurrent
+requests for one key share one Future; they never decide a hit.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from constrained.bitmask_ops import allocate_token_bitmask, apply_token_bitmask_inplace
+
+logger = logging.getLogger(__name__)
+
+GrammarKey = tuple[str, str]  # (kind, normalized spec): kind in CONSTRAINT_FIELDS
+# xgrammar prefixes C++ errors with "[hh:mm:ss] /path/file.cc:123: ".
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+_MAX_ERROR_CHARS = 1000
+
+
+@dataclass
+class GrammarStats:
+    """Per grammar object, for logs and benchmarks (never crosses a process boundary)."""
+
+    compile_time: float = 0.0  # seconds spent compiling (0 for a cache hit)
+    cache_hit: bool = False
+    dispatch_type: str = ""  # the backend that compiled it; auto adds why it fell back
+    num_timeouts: int = 0  # poll budgets this key exhausted before it compiled
+
+
+class BaseGrammarObject:
+    """One request's matcher. ``copy()`` gives a fresh matcher over the same compiled
+    grammar (the cache keeps a pristine object and hands out copies)."""
+
+    def __init__(self) -> None:
+        self.finished = False  # set by the scheduler when the request ends
+        self.stats = GrammarStats()
+
+    def accept_token(self, token: int) -> None:
+        """Advance by one sampled token; raise ValueError if the grammar rejects it."""
+        raise NotImplementedError
+
+    def rollback(self, k: int) -> None:
+        raise NotImplementedError
+
+    def is_terminated(self) -> bool:
+        """The grammar accepted a stop token (or can accept nothing more)."""
+        raise NotImplementedError
+
+    def maybe_init_reasoning(self, reasoning: bool) -> None:
+        """Thinking models: only ReasonerGrammarObject cares."""
+
+    def needs_vocab_mask(self) -> bool:
+        return not self.finished and not self.is_terminated()
+
+    def allocate_vocab_mask(self, vocab_size: int, batch_size: int,
+                            device: Union[str, torch.device]) -> torch.Tensor:
+        # Filled on the CPU (the libraries write host memory), then moved.
+        return allocate_token_bitmask(batch_size, vocab_size, "cpu")
+
+    def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def move_vocab_mask(vocab_mask: torch.Tensor, device: Union[str, torch.device]) -> torch.Tensor:
+        return vocab_mask.to(device, non_blocking=True)
+
+    @staticmethod
+    def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
+        apply_token_bitmask_inplace(logits, vocab_mask)
+
+    def copy(self) -> "BaseGrammarObject":
+        raise NotImplementedError
+
+    def try_jump_forward(self, tokenizer) -> Optional[tuple[list[int], str]]:
+        """Jump-forward decoding hook: tokens the grammar forces next. Not used yet."""
+        return None
+
+
+class InvalidGrammarObject(BaseGrammarObject):
+    """A compile failure, cached like a success so a bad spec is not compiled twice."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
+
+    def is_terminated(self) -> bool:
+        return True
+
+    def copy(self) -> "InvalidGrammarObject":
+        return self
+
+
+def clean_error(e: BaseException) -> str:
+    """A library exception as one readable line for the user's 400."""
+    text = _CPP_PREFIX.sub("", str(e).strip()) or type(e).__name__
+    text = " ".join(text.split())  # multi-line parser errors -> one line
+    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + " ..."
+
+
+class BaseGrammarBackend:
+    """Subclasses implement ``dispatch_<kind>(spec) -> BaseGrammarObject`` (raising on a
+    bad spec); everything else -- pool, cache, failures, stats -- lives here."""
+
+    name = "base"
+
+    def __init__(self, num_threads: int = 2, cache_size: int = 1024) -> None:
+        self.executor = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile")
+        self.cache_size = cache_size
+        self._cache: OrderedDict[GrammarKey, BaseGrammarObject] = OrderedDict()
+        self._inflight: dict[GrammarKey, Future] = {}
+
+    # ---- compiling --------------------------------------------------------------------
+    def dispatch(self, key: GrammarKey) -> BaseGrammarObject:
+        kind, spec = key
+        method = getattr(self, f"dispatch_{kind}", None)
+        if method is None:
+            raise ValueError(f"the {self.name} grammar backend does not support {kind} constraints")
+        return method(spec)
+
+    def init_value(self, key: GrammarKey) -> BaseGrammarObject:
+        """Compile ``key``; never raises: a failure becomes an InvalidGrammarObject."""
+        start = time.perf_counter()
+        try:
+            value = self.dispatch(key)
+        except Exception as e:  # the library's reason goes to the user
+            value = InvalidGrammarObject(f"Failed to compile {key[0]} grammar: {clean_error(e)}")
+        value.stats.compile_time = time.perf_counter() - start
+        value.stats.dispatch_type = value.stats.dispatch_type or self.name
+        return value
+
+    def get_cached_or_future_value(self, key: GrammarKey) -> tuple[Union[BaseGrammarObject, Future], bool]:
+        """(copy, True) on a hit; (Future of the pristine object, False) on a miss."""
+        value = self._cache.get(key)
+        if value is not None:
+            self._cache.move_to_end(key)
+            copy = value.copy()
+            copy.stats.cache_hit = True
+            return copy, True
+        future = self._inflight.get(key)
+        if future is None or future.cancelled():
+            future = self.executor.submit(self.init_value, key)
+            self._inflight[key] = future
+        return future, False
+
+    def set_cache(self, key: GrammarKey, value: BaseGrammarObject) -> None:
+        """Called only at points every rank reaches identically (after agreement)."""
+        self._inflight.pop(key, None)
+        self._cache[key] = value
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+
+    def release(self, key: GrammarKey, still_waiting: bool) -> None:
+        """No request waits for ``key`` any more (aborted or timed out): cancel its compile
+        if it has not started. ``still_waiting``: another queued request shares it."""
+        future = self._inflight.get(key)
+        if future is None or still_waiting:
+            return
+        future.cancel()  # a started compile runs on; the pool bounds how many can
+        self._inflight.pop(key, None)
+
+    def cache_info(self) -> dict:
+        return {"cached": len(self._cache), "in_flight": len(self._inflight)}
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,120 @@
+"""llguidance backend: JSON schema, regex, EBNF (GBNF or Lark), choice and structural tags.
+
+llguidance compiles lazily with bounded "fuel" (``LLParserLimits``), so a pathological
+grammar fails with an error instead of running for minutes. Each request gets a
+``deep_copy`` of a pristine matcher (microseconds)."""
+from __future__ import annotations
+
+import json
+
+import llguidance as llg
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
+from constrained.grammar_config import GrammarBackendConfig
+from constrained.xgrammar_backend import _structures
+
+_WHITESPACE = r"[\x20\x0A\x0D\x09]"
+
+
+def close_objects(node, in_all_of: bool = False):
+    """Objects with ``properties`` but no ``additionalProperties`` get ``false``, as
+    xgrammar's strict mode (and OpenAI's strict schemas) do, so both backends -- and auto's
+    fallback -- generate the same shape instead of inventing extra keys. Not inside allOf,
+    where closing each branch would make the conjunction unsatisfiable."""
+    if isinstance(node, list):
+        return [close_objects(n, in_all_of) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in ("enum", "const", "default", "examples"):  # data, not schema
+            out[key] = value
+        else:
+            out[key] = close_objects(value, in_all_of or key == "allOf")
+    if ("properties" in out and not in_all_of and "additionalProperties" not in out
+            and "patternProperties" not in out and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
+class GuidanceGrammar(BaseGrammarObject):
+    def __init__(self, matcher: llg.LLMatcher) -> None:
+        super().__init__()
+        self.matcher = matcher
+
+    def accept_token(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"token {token} is not allowed by the grammar: {self.matcher.get_error()}")
+
+    def rollback(self, k: int) -> None:
+        self.matcher.rollback(k)
+
+    def is_terminated(self) -> bool:
+        # Stopped = only EOS could follow (or EOS was taken): the output is complete.
+        return self.matcher.is_stopped()
+
+    def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
+        llguidance.torch.fill_next_token_bitmask(self.matcher, vocab_mask, idx)
+
+    def copy(self) -> "GuidanceGrammar":
+        twin = GuidanceGrammar(self.matcher.deep_copy())
+        twin.stats.dispatch_type = self.stats.dispatch_type
+        return twin
+
+
+class GuidanceBackend(BaseGrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, ll_tokenizer: llg.LLTokenizer, config: GrammarBackendConfig) -> None:
+        super().__init__(config.num_threads, config.cache_size)
+        self.tokenizer = ll_tokenizer
+        opts = config.json
+        if opts.disable_any_whitespace:
+            self.json_overrides = {"whitespace_flexible": False, "item_separator": ",",
+                                   "key_separator": ":"}
+        elif opts.whitespace_pattern is not None:
+            self.json_overrides = {"whitespace_pattern": opts.whitespace_pattern}
+        elif opts.max_whitespace:
+            self.json_overrides = {"whitespace_pattern": f"{_WHITESPACE}{{0,{opts.max_whitespace}}}"}
+        else:
+            self.json_overrides = {"whitespace_flexible": True}
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, config: GrammarBackendConfig) -> "GuidanceBackend":
+        ll_tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=config.vocab_size, eos_token=list(config.eos_token_ids))
+        return cls(ll_tokenizer, config)
+
+    def _matcher(self, grammar: str) -> GuidanceGrammar:
+        matcher = llg.LLMatcher(self.tokenizer, grammar)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return GuidanceGrammar(matcher)
+
+    def dispatch_json_schema(self, spec: str) -> GuidanceGrammar:
+        schema = close_objects(json.loads(spec))
+        return self._matcher(llg.LLMatcher.grammar_from_json_schema(schema, overrides=self.json_overrides))
+
+    def dispatch_regex(self, spec: str) -> GuidanceGrammar:
+        return self._matcher(llg.LLMatcher.grammar_from_regex(spec))
+
+    def dispatch_ebnf(self, spec: str) -> GuidanceGrammar:
+        return self._matcher(llg.grammar_from("ebnf", spec))
+
+    def dispatch_choice(self, spec: str) -> GuidanceGrammar:
+        return self._matcher(llg.grammar_from("choice", spec))
+
+    def dispatch_structural_tag(self, spec: str) -> GuidanceGrammar:
+        tag = json.loads(spec)
+        if "format" in tag:
+            raise ValueError("llguidance supports the structures/triggers structural_tag format only")
+        tags = []
+        for s in _structures(tag):
+            trigger = next((t for t in tag["triggers"] if s["begin"].startswith(t)), None)
+            if trigger is None:
+                raise ValueError(f"no trigger is a prefix of begin {s['begin']!r}")
+            tags.append(llg.StructTag(trigger=trigger, begin=s["begin"], grammar=s["schema"], end=s["end"]))
+        return self._matcher(llg.LLMatcher.grammar_from_lark(llg.StructTag.to_grammar(tags, assume_special=False)))

@@ -177,3 +177,13 @@ def test_logit_bias_value_type_is_checked_by_pydantic():
     assert "logit_bias.5" in validation_error_message(e.value)[0]
     assert SamplingParams.from_dict(CompletionRequest(prompt="a", logit_bias={"5": -1}).sampling_params()
                                     ).logit_bias == ((5, -1.0),)
+
+
+def test_requires_reasoning_follows_the_parser_and_enable_thinking():
+    r = ChatCompletionRequest(messages=MSGS)
+    assert not r.requires_reasoning(None) and r.requires_reasoning("qwen3") and r.requires_reasoning("deepseek-r1")
+    off = ChatCompletionRequest(messages=MSGS, chat_template_kwargs={"enable_thinking": False})
+    assert not off.requires_reasoning("qwen3") and off.requires_reasoning("deepseek-r1")
+    obj = r.generate_input("rid", input_ids=[5, 6])
+    obj.require_reasoning = True
+    assert prepare_request(obj, None, INFO).require_reasoning

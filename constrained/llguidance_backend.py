@@ -40,6 +40,34 @@ def close_objects(node, in_all_of: bool = False):
     return out
 
 
+_ASCII_IN_CLASS = {"d": "0-9", "w": "0-9A-Za-z_", "s": r"\t\n\x0B\f\r "}
+
+
+def ascii_shorthands(regex: str) -> str:
+    r"""``\d``, ``\w``, ``\s`` as ASCII classes, as xgrammar (and JSON Schema) read them.
+    llguidance's regexes are Unicode-aware, so ``\d{4}`` would admit digits from any
+    script and a small model happily picks them; this keeps the two backends -- and auto's
+    fallback -- generating the same language."""
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            nxt = regex[i + 1]
+            if nxt in _ASCII_IN_CLASS:
+                out.append(_ASCII_IN_CLASS[nxt] if in_class else f"(?-u:\\{nxt})")
+            else:
+                out.append(regex[i:i + 2])
+            i += 2
+            continue
+        if c == "[":
+            in_class = True
+        elif c == "]":
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 class GuidanceGrammar(BaseGrammarObject):
     def __init__(self, matcher: llg.LLMatcher) -> None:
         super().__init__()
@@ -99,7 +127,7 @@ class GuidanceBackend(BaseGrammarBackend):
         return self._matcher(llg.LLMatcher.grammar_from_json_schema(schema, overrides=self.json_overrides))
 
     def dispatch_regex(self, spec: str) -> GuidanceGrammar:
-        return self._matcher(llg.LLMatcher.grammar_from_regex(spec))
+        return self._matcher(llg.LLMatcher.grammar_from_regex(ascii_shorthands(spec)))
 
     def dispatch_ebnf(self, spec: str) -> GuidanceGrammar:
         return self._matcher(llg.grammar_from("ebnf", spec))

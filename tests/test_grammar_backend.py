@@ -13,7 +13,7 @@ from constrained.auto_backend import AutoGrammarBackend, xgrammar_known_issue
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
 from constrained.bitmask_ops import allocate_token_bitmask, unpack_bitmask
 from constrained.grammar_config import GrammarBackendConfig, JsonOptions
-from constrained.llguidance_backend import GuidanceBackend, close_objects
+from constrained.llguidance_backend import GuidanceBackend, ascii_shorthands, close_objects
 from constrained.registry import GRAMMAR_BACKEND_REGISTRY, create_grammar_backend, register_grammar_backend
 from constrained.xgrammar_backend import XGrammarGrammarBackend
 from srt.server_args import ServerArgs
@@ -230,3 +230,11 @@ def test_mask_fill_rows_are_independent(xgr, llg, smollm2_tokenizer):
     yes, no = smollm2_tokenizer.encode("yes")[0], smollm2_tokenizer.encode("no")[0]
     assert allowed[0, yes] and not allowed[0, no] and allowed[2, no] and not allowed[2, yes]
     assert torch.equal(mask[1], torch.full_like(mask[1], -1))
+
+
+def test_llguidance_regex_shorthands_are_ascii_like_xgrammar(xgr, llg, smollm2_tokenizer):
+    assert ascii_shorthands(r"\d{2}[\d.]\\d\w\s\D") == r"(?-u:\d){2}[0-9.]\\d(?-u:\w)(?-u:\s)\D"
+    for backend in (xgr, llg):
+        g = backend.init_value(("regex", r"\d+"))
+        assert accepts(g.copy(), smollm2_tokenizer, "12")
+        assert rejects(g.copy(), smollm2_tokenizer, "\U0001FBF8"), backend.name  # SEGMENTED DIGIT EIGHT

@@ -42,6 +42,10 @@ class BaseGrammarObject:
     """One request's matcher. ``copy()`` gives a fresh matcher over the same compiled
     grammar (the cache keeps a pristine object and hands out copies)."""
 
+    # Shared by one backend's objects: ``fill(grammars, vocab_mask, rows)`` computes many
+    # rows in one library call on its own threads (no GIL). None: rows are filled one by one.
+    mask_filler = None
+
     def __init__(self) -> None:
         self.finished = False  # set by the scheduler when the request ends
         self.stats = GrammarStats()
@@ -70,6 +74,10 @@ class BaseGrammarObject:
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         raise NotImplementedError
+
+    def mask_source(self) -> "BaseGrammarObject":
+        """The object whose ``mask_filler`` fills this row (wrappers return the inner one)."""
+        return self
 
     @staticmethod
     def move_vocab_mask(vocab_mask: torch.Tensor, device: Union[str, torch.device]) -> torch.Tensor:

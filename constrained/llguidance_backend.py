@@ -68,10 +68,22 @@ def ascii_shorthands(regex: str) -> str:
     return "".join(out)
 
 
+class GuidanceMaskFiller:
+    """Fills many rows with llguidance's executor (Rust threads)."""
+
+    def __init__(self) -> None:
+        self.executor = llg.LLExecutor()
+
+    def fill(self, grammars: list["GuidanceGrammar"], vocab_mask: torch.Tensor, rows: list[int]) -> None:
+        llguidance.torch.fill_next_token_bitmask_par(
+            self.executor, [(g.matcher, i) for g, i in zip(grammars, rows)], vocab_mask)
+
+
 class GuidanceGrammar(BaseGrammarObject):
-    def __init__(self, matcher: llg.LLMatcher) -> None:
+    def __init__(self, matcher: llg.LLMatcher, mask_filler: GuidanceMaskFiller = None) -> None:
         super().__init__()
         self.matcher = matcher
+        self.mask_filler = mask_filler
 
     def accept_token(self, token: int) -> None:
         if not self.matcher.consume_token(token):
@@ -88,7 +100,7 @@ class GuidanceGrammar(BaseGrammarObject):
         llguidance.torch.fill_next_token_bitmask(self.matcher, vocab_mask, idx)
 
     def copy(self) -> "GuidanceGrammar":
-        twin = GuidanceGrammar(self.matcher.deep_copy())
+        twin = GuidanceGrammar(self.matcher.deep_copy(), self.mask_filler)
         twin.stats.dispatch_type = self.stats.dispatch_type
         return twin
 
@@ -99,6 +111,7 @@ class GuidanceBackend(BaseGrammarBackend):
     def __init__(self, ll_tokenizer: llg.LLTokenizer, config: GrammarBackendConfig) -> None:
         super().__init__(config.num_threads, config.cache_size)
         self.tokenizer = ll_tokenizer
+        self.mask_filler = GuidanceMaskFiller()
         opts = config.json
         if opts.disable_any_whitespace:
             self.json_overrides = {"whitespace_flexible": False, "item_separator": ",",
@@ -120,7 +133,7 @@ class GuidanceBackend(BaseGrammarBackend):
         matcher = llg.LLMatcher(self.tokenizer, grammar)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
-        return GuidanceGrammar(matcher)
+        return GuidanceGrammar(matcher, self.mask_filler)
 
     def dispatch_json_schema(self, spec: str) -> GuidanceGrammar:
         schema = close_objects(json.loads(spec))

@@ -45,6 +45,9 @@ class ReasonerGrammarObject(BaseGrammarObject):
         else:
             self.grammar.fill_vocab_mask(vocab_mask, idx)
 
+    def mask_source(self) -> BaseGrammarObject:
+        return self.grammar.mask_source()  # asked only for rows past the think end
+
     def copy(self) -> "ReasonerGrammarObject":
         return ReasonerGrammarObject(self.grammar.copy(), self.think_end_id)
 

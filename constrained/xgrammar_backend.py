@@ -11,11 +11,22 @@ from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObje
 from constrained.grammar_config import GrammarBackendConfig
 
 
+class XGrammarMaskFiller:
+    """Fills many rows with xgrammar's batch matcher (C++ threads)."""
+
+    def __init__(self) -> None:
+        self.batch = xgr.BatchGrammarMatcher(max_threads="auto")
+
+    def fill(self, grammars: list["XGrammarGrammar"], vocab_mask: torch.Tensor, rows: list[int]) -> None:
+        self.batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], vocab_mask, rows)
+
+
 class XGrammarGrammar(BaseGrammarObject):
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, mask_filler: XGrammarMaskFiller = None) -> None:
         super().__init__()
         self.compiled = compiled
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.mask_filler = mask_filler
 
     def accept_token(self, token: int) -> None:
         if not self.matcher.accept_token(token):
@@ -31,7 +42,7 @@ class XGrammarGrammar(BaseGrammarObject):
         self.matcher.fill_next_token_bitmask(vocab_mask, idx)
 
     def copy(self) -> "XGrammarGrammar":
-        twin = XGrammarGrammar(self.compiled)
+        twin = XGrammarGrammar(self.compiled, self.mask_filler)
         twin.stats.dispatch_type = self.stats.dispatch_type
         return twin
 
@@ -46,6 +57,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         # One internal thread per compile: our pool already runs compiles side by side.
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
         self.json = config.json
+        self.mask_filler = XGrammarMaskFiller()
 
     @classmethod
     def from_tokenizer(cls, tokenizer, config: GrammarBackendConfig) -> "XGrammarGrammarBackend":
@@ -61,29 +73,29 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         else:
             compiled = self.compiler.compile_json_schema(
                 spec, any_whitespace=True, max_whitespace_cnt=opts.max_whitespace or None)
-        return XGrammarGrammar(compiled)
+        return XGrammarGrammar(compiled, self.mask_filler)
 
     def dispatch_regex(self, spec: str) -> XGrammarGrammar:
-        return XGrammarGrammar(self.compiler.compile_regex(spec))
+        return XGrammarGrammar(self.compiler.compile_regex(spec), self.mask_filler)
 
     def dispatch_ebnf(self, spec: str) -> XGrammarGrammar:
-        return XGrammarGrammar(self.compiler.compile_grammar(spec, root_rule_name="root"))
+        return XGrammarGrammar(self.compiler.compile_grammar(spec, root_rule_name="root"), self.mask_filler)
 
     def dispatch_choice(self, spec: str) -> XGrammarGrammar:
         # JSON string literals are valid EBNF literals (checked for quotes, backslashes,
         # control characters and non-ASCII).
         choices = json.loads(spec)
         ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-        return XGrammarGrammar(self.compiler.compile_grammar(ebnf))
+        return XGrammarGrammar(self.compiler.compile_grammar(ebnf), self.mask_filler)
 
     def dispatch_structural_tag(self, spec: str) -> XGrammarGrammar:
         tag = json.loads(spec)
         if "format" in tag:  # xgrammar's own structural-tag format
-            return XGrammarGrammar(self.compiler.compile_structural_tag(spec))
+            return XGrammarGrammar(self.compiler.compile_structural_tag(spec), self.mask_filler)
         # SGLang's format: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
         items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
                  for s in _structures(tag)]
-        return XGrammarGrammar(self.compiler.compile_structural_tag(items, list(tag["triggers"])))
+        return XGrammarGrammar(self.compiler.compile_structural_tag(items, list(tag["triggers"])), self.mask_filler)
 
 
 def _structures(tag: dict) -> list[dict]:

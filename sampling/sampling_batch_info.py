@@ -145,8 +145,17 @@ class SamplingBatchInfo:
             buf = self._mask_buffer = first.allocate_vocab_mask(self.vocab_size, len(self), self.device)
         else:
             buf.fill_(-1)
+        batched: dict[int, tuple[Any, list, list[int]]] = {}
         for i in rows:
-            self.grammars[i].fill_vocab_mask(buf, i)
+            source = self.grammars[i].mask_source()
+            if source.mask_filler is None:
+                source.fill_vocab_mask(buf, i)
+            else:  # one library call per backend fills its rows on its own threads
+                group = batched.setdefault(id(source.mask_filler), (source.mask_filler, [], []))
+                group[1].append(source)
+                group[2].append(i)
+        for filler, grammars, idx in batched.values():
+            filler.fill(grammars, buf, idx)
         self.vocab_mask = first.move_vocab_mask(buf, self.device)
         self.mask_fill_seconds = time.perf_counter() - start
 

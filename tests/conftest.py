@@ -36,8 +36,9 @@ def smollm2_tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def _launch_server(tmp_path_factory, model_dir: str, extra_args: list[str]):
-    """Yield the base URL of a real server (`python launch.py`, embedded SmolLM2 on CPU)."""
+def _launch_server(tmp_path_factory, model_dir: str, extra_args: list[str], env: dict | None = None):
+    """Yield the base URL of a real server (`python launch.py`, embedded SmolLM2 on CPU);
+    ``env`` adds environment variables for the server's processes."""
     import httpx
 
     with socket.socket() as s:
@@ -50,6 +51,7 @@ def _launch_server(tmp_path_factory, model_dir: str, extra_args: list[str]):
          "--model-path", model_dir, "--served-model-name", "smollm2", "--log-level", "warning",
          *extra_args],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     base = f"http://127.0.0.1:{port}"
     try:

@@ -1,0 +1,41 @@
+"""A registered third-party backend through the real server: loaded by
+--grammar-backend-plugins, and a compile slower than SGLANG_GRAMMAR_MAX_POLL_ITERATIONS
+polls is a 400 with the documented message while other requests are served."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from conftest import _launch_server
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory, smollm2_dir):
+    env = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__)),
+           "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS": "40", "SGLANG_GRAMMAR_POLL_INTERVAL": "0.01"}
+    yield from _launch_server(tmp_path_factory, smollm2_dir,
+                              ["--grammar-backend", "slow", "--grammar-backend-plugins", "slow_grammar_plugin"], env)
+
+
+def generate(base, regex):
+    body = {"text": "Write a number:", "sampling_params": {"regex": regex, "max_new_tokens": 8, "temperature": 0}}
+    return httpx.post(base + "/generate", json=body, timeout=120)
+
+
+@pytest.mark.timeout(240)
+def test_slow_plugin_backend_times_out_while_others_complete(slow_server):
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(generate, slow_server, "slow[0-9]+")
+        fast = pool.submit(generate, slow_server, "[0-9]{3}")
+        slow, fast = slow.result(), fast.result()
+    assert slow.status_code == 400, slow.text
+    assert slow.json()["error"]["message"] == (
+        "Grammar preprocessing timed out: the regex grammar was not compiled within 40 "
+        "scheduler polls (SGLANG_GRAMMAR_MAX_POLL_ITERATIONS).")
+    assert fast.status_code == 200, fast.text
+    assert len(fast.json()["text"]) == 3 and fast.json()["text"].isdigit()
+    again = generate(slow_server, "[0-9]{3}")  # the server is fine afterwards
+    assert again.status_code == 200 and again.json()["text"] == fast.json()["text"]

@@ -56,8 +56,10 @@ class Req:
         params = self.sampling_params
         n = len(self.output_ids)
         if self.grammar is not None and self.grammar.is_terminated():
-            # The grammar reached its end (EOS taken, or nothing but EOS could follow).
-            self.finished_reason = FinishReason("stop", matched=self.output_ids[-1])
+            # The grammar reached its end: xgrammar after taking EOS, llguidance already when
+            # nothing but EOS could follow. Only a stop token is "matched" (hidden from text).
+            last = self.output_ids[-1]
+            self.finished_reason = FinishReason("stop", matched=last if last in self.stop_ids else None)
             return
         if n >= params.min_new_tokens:
             last = self.output_ids[-1]

@@ -144,8 +144,9 @@ def test_prepare_request_rejections():
 
 
 @pytest.mark.parametrize("kind,spec", [("json_schema", {"type": "object"}), ("regex", "a+"),
-                                       ("ebnf", "root ::= 'a'"), ("structural_tag", {"structures": []})])
-def test_constraints_are_rejected_until_implemented(kind, spec):
-    with pytest.raises(ValueError) as e:
-        _prepare(sampling_params={kind: spec})
-    assert str(e.value) == f"Constrained generation ({kind}) is not available yet in this version of gramsync."
+                                       ("ebnf", "root ::= 'a'"), ("choice", ["a", "b"])])
+def test_constraints_pass_to_the_scheduler_next_to_a_processor(kind, spec):
+    req = _prepare(custom_logit_processor=DISALLOW,
+                   sampling_params={kind: spec, "custom_params": {"token_ids": [1]}})
+    assert req.sampling_params.constraint[0] == kind
+    assert req.sampling_params.custom_logit_processor == DISALLOW

@@ -107,10 +107,10 @@ def main() -> None:
         print(f"{name:<18}{med['tok_s']:>14.1f}{med['tok_s'] / base:>8.3f}{med['step_ms']:>10.1f}"
               f"{med['fill_ms']:>14.3f}{med['apply_ms']:>15.3f}")
     if not a.skip_bitmask:
-        from bench_bitmask import print_table, run_bitmask_bench
+        from bench_bitmask import print_rows, run_bitmask_bench
 
         print("\nCPU bitmask apply, fp32 logits: ours vs xgrammar.apply_token_bitmask_inplace")
-        print_table(run_bitmask_bench(7))
+        print_rows(run_bitmask_bench(7))
 
 
 if __name__ == "__main__":

@@ -179,7 +179,10 @@ def _cached(key: tuple, make):
     if key not in cache:
         if len(cache) > 64:  # many batch sizes / vocabularies: start over
             cache.clear()
-        cache[key] = make()
+        # Normal tensors even when first called under inference_mode (the scheduler's
+        # forward): an inference tensor could not be updated in place outside it later.
+        with torch.inference_mode(False):
+            cache[key] = make()
     return cache[key]
 
 

@@ -251,3 +251,14 @@ def test_triton_kernel_cuda(dtype):
     want = reference(x.cpu(), mask)
     apply_token_bitmask_inplace(x, mask.cuda())
     assert_same_bits(x.cpu(), want)
+
+
+def test_workspaces_made_under_inference_mode_work_outside_it():
+    logits, mask = torch.randn(4, 40000), torch.randint(-2**31, 2**31, (4, 1250), dtype=torch.int32)
+    expected = logits.masked_fill(~unpack_bitmask(mask, 40000), float("-inf"))
+    with torch.inference_mode():
+        inside = logits.clone()
+        apply_token_bitmask_inplace(inside, mask)
+    outside = logits.clone()
+    apply_token_bitmask_inplace(outside, mask)
+    assert torch.equal(inside, expected) and torch.equal(outside, expected)

@@ -13,8 +13,10 @@ logits become -inf whatever they held (NaN and +inf included), allowed ones keep
   mask are scalar loops, ~5x slower. Tiles stay at 32768 elements because torch runs
   larger ops on its thread pool: faster on an idle 2-core box, but one op can stall ~10 ms
   when other processes hold the cores (measured), so every op here runs on the calling
-  thread. Row blocks whose mask is all ones are skipped, and nearly all-ones ones only
-  touch their 0 bits. Scratch buffers are per thread and reused (no page faults).
+  thread. Row blocks whose mask is all ones are skipped; nearly all-ones rows (free text
+  inside a JSON string) go to xgrammar's C loop when the logits are fp32 (it skips
+  all-ones words: ~0.04 ms vs ~1 ms for [32, 49152]), else only their 0 bits are touched.
+  Scratch buffers are per thread and reused (no page faults).
 - Other devices: the portable unpack + masked_fill_.
 """
 from __future__ import annotations
@@ -109,6 +111,7 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     full = vocab // 32  # words whose 32 tokens all exist
     contiguous = x_bits.is_contiguous()  # the sparse path indexes the flat logits
     found = []  # [row, word] of the nearly unconstrained blocks' partial words
+    c_rows = [] if logits.dtype == torch.float32 and contiguous and bitmask.is_contiguous() else None
     for r0 in range(0, batch, rows):
         m, x = mask[r0:r0 + rows], x_bits[r0:r0 + rows]
         not_m = _cached(("block", m.shape), lambda: torch.empty(m.shape, dtype=torch.int32))
@@ -116,6 +119,8 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         n = int(torch.count_nonzero(not_m))
         if n * _SPARSE_RATIO > not_m.numel() or not contiguous:
             _apply_tiles(x, not_m, cols, neg_inf)
+        elif n and c_rows is not None:
+            c_rows.extend(range(r0, r0 + m.shape[0]))
         elif n:  # unconstrained rows (n == 0) need nothing
             found.append(not_m[:, :full].nonzero())
             found[-1][:, 0] += r0
@@ -123,6 +128,10 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
                 _apply_tiles(x[:, full * 32:], not_m[:, full:], 1, neg_inf)
     for where in _chunks(found, tile):
         _apply_sparse(x_bits, mask, where, neg_inf)
+    if c_rows:
+        import xgrammar  # a dependency anyway (the default grammar backend)
+
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=c_rows, backend="cpu")
 
 
 def _apply_tiles(x_bits: torch.Tensor, not_m: torch.Tensor, cols: int, neg_inf: int) -> None:

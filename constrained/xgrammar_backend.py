@@ -15,7 +15,7 @@ class XGrammarMaskFiller:
     """Fills many rows with xgrammar's batch matcher (C++ threads)."""
 
     def __init__(self) -> None:
-        self.batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        self.batch = xgr.BatchGrammarMatcher(max_threads=1)
 
     def fill(self, grammars: list["XGrammarGrammar"], vocab_mask: torch.Tensor, rows: list[int]) -> None:
         self.batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], vocab_mask, rows)

@@ -89,9 +89,11 @@ def main() -> None:
     import torch
 
     torch.set_grad_enabled(False)
-    xgr, tok = make_scheduler("xgrammar", a.concurrency, a.dtype)
+    # One scheduler each, so all three see the same KV-pool history (slot order matters).
+    plain, tok = make_scheduler("xgrammar", a.concurrency, a.dtype)
+    xgr, _ = make_scheduler("xgrammar", a.concurrency, a.dtype)
     llg, _ = make_scheduler("llguidance", a.concurrency, a.dtype)
-    configs = {"unconstrained": (xgr, False), "json xgrammar": (xgr, True), "json llguidance": (llg, True)}
+    configs = {"unconstrained": (plain, False), "json xgrammar": (xgr, True), "json llguidance": (llg, True)}
     for name, (sched, constrained) in configs.items():  # warm-up: compile, caches, allocator
         run_once(sched, requests(tok, a.concurrency, 8, constrained, f"warm-{name}"))
     results: dict[str, list[dict]] = {name: [] for name in configs}

@@ -1,6 +1,8 @@
 """gramsync launcher: ``python launch.py [flags]`` serves the model over HTTP.
 
 With no flags it serves the embedded SmolLM2-135M-Instruct on 127.0.0.1:30000.
+``--tp-size/--dp-size`` start the ranks here; under ``torchrun`` each worker is one rank;
+``--nnodes N --node-rank K --dist-init-addr host:port`` spreads them over N machines.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, _HERE)
     check_own_packages()
     from srt.entrypoints.http_server import launch_server
+    from srt.entrypoints.torchrun import torchrun_main, under_torchrun
     from srt.server_args import ServerArgs
 
     args = build_parser().parse_args(argv)
@@ -49,7 +52,24 @@ def main(argv: list[str] | None = None) -> None:
         server_args = ServerArgs.from_cli_args(args)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    launch_server(server_args)
+    if under_torchrun():  # each torchrun worker is one scheduler rank
+        torchrun_main(server_args)
+    elif server_args.node_rank > 0:  # --nnodes N without torchrun: this node's ranks only
+        import logging
+
+        import setproctitle
+
+        from srt.entrypoints.launcher import prepare_server_args, run_worker_node
+
+        setproctitle.setproctitle(f"gramsync::node{server_args.node_rank}")
+        logging.basicConfig(level=server_args.log_level.upper(), format=(
+            f"[%(asctime)s node{server_args.node_rank}] %(levelname)s %(name)s: %(message)s"))
+        sys.exit(run_worker_node(prepare_server_args(server_args)))
+    else:
+        try:
+            launch_server(server_args)
+        except RuntimeError as e:  # a rank failed to start: its name and reason
+            sys.exit(f"gramsync: {e}")
 
 
 if __name__ == "__main__":

@@ -22,3 +22,13 @@ def tp_all_gather_last_dim(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous(), group=tp.device_group)
     return torch.cat(parts, dim=-1)
+
+
+def tp_min_int(value: int, tp: TPGroup) -> int:
+    """The smallest ``value`` over the TP group's CPU group (e.g. KV-cache size, which each
+    rank profiles from its own free memory but every rank must share)."""
+    if tp.is_single:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    return int(t.item())

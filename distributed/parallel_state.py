@@ -1,9 +1,11 @@
-"""Rank identity and process groups, passed explicitly (no module-level state).
+"""Rank identity and the TP group handle, passed explicitly (no module-level state).
 
-A world of ``nnodes x dp_size x tp_size`` ranks is split into DP groups of ``tp_size``
-consecutive ranks. Each TP group has a *device group* (NCCL on GPU, gloo on CPU) for the
-tensor collectives of the TP layers and a gloo *CPU group* for control messages
-(request broadcast, grammar agreement). At group size 1 nothing is created.
+A world of ``dp_size x tp_size`` ranks (spread over ``nnodes`` nodes, each running
+``world_size / nnodes`` consecutive ranks) is split into DP groups of ``tp_size``
+consecutive ranks: world rank = dp_rank * tp_size + tp_rank. Each TP group has a *device
+group* (NCCL on GPU, gloo on CPU) for the tensor collectives of the TP layers and a gloo
+*CPU group* for control messages (request broadcast, grammar and token agreement).
+At TP group size 1 no group is created (see ``distributed/process_groups.py``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,23 @@ class RankInfo:
     world_rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    nnodes: int = 1
+
+    @classmethod
+    def for_world_rank(cls, world_rank: int, tp_size: int, dp_size: int,
+                       nnodes: int = 1) -> "RankInfo":
+        world_size = tp_size * dp_size
+        if world_size % nnodes:
+            raise ValueError(f"tp_size x dp_size = {world_size} ranks cannot be split evenly "
+                             f"over --nnodes {nnodes}")
+        return cls(tp_rank=world_rank % tp_size, tp_size=tp_size,
+                   dp_rank=world_rank // tp_size, dp_size=dp_size,
+                   world_rank=world_rank, world_size=world_size,
+                   local_rank=world_rank % (world_size // nnodes), nnodes=nnodes)
+
+    @property
+    def node_rank(self) -> int:
+        return self.world_rank // (self.world_size // self.nnodes)
 
     @property
     def is_entry_rank(self) -> bool:
@@ -29,12 +48,22 @@ class RankInfo:
         return self.tp_rank == 0
 
     @property
+    def name(self) -> str:
+        return f"DP{self.dp_rank}_TP{self.tp_rank}"
+
+    @property
     def log_prefix(self) -> str:
         return f"[DP{self.dp_rank} TP{self.tp_rank}]"
 
     @property
     def proc_title(self) -> str:
-        return f"gramsync::scheduler_DP{self.dp_rank}_TP{self.tp_rank}"
+        return f"gramsync::scheduler_{self.name}"
+
+
+def local_world_ranks(tp_size: int, dp_size: int, nnodes: int, node_rank: int) -> range:
+    """World ranks that run on node ``node_rank``."""
+    per_node = tp_size * dp_size // nnodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,16 @@ SGLANG_GRAMMAR_MAX_POLL_ITERATIONS = EnvVar(
     "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS", int, 10000,
     "Scheduler iterations a request may wait for its grammar before it is aborted (400, timed out).",
 )
+GRAMSYNC_BATCH_LOG_DIR = EnvVar(
+    "GRAMSYNC_BATCH_LOG_DIR", str, "",
+    "Directory where every scheduler rank writes the request ids of each batch it runs "
+    "(batches_DP{d}_TP{t}.log; the ranks of a TP group must write identical files).",
+)
+GRAMSYNC_HOST_IP = EnvVar(
+    "GRAMSYNC_HOST_IP", str, "",
+    "Multi-node: the address of this node that the frontend uses to reach its entry ranks "
+    "(default: the interface that routes to --dist-init-addr / MASTER_ADDR).",
+)
 
 ALL_ENV_VARS: tuple[EnvVar, ...] = (
     SGLANG_REQ_WAITING_TIMEOUT,
@@ -83,6 +93,8 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     GRAMSYNC_STARTUP_TIMEOUT,
     SGLANG_GRAMMAR_POLL_INTERVAL,
     SGLANG_GRAMMAR_MAX_POLL_ITERATIONS,
+    GRAMSYNC_BATCH_LOG_DIR,
+    GRAMSYNC_HOST_IP,
 )
 
 

@@ -99,9 +99,23 @@ class ModelConfig:
             dtype=str(getattr(hf, "dtype", None) or "").removeprefix("torch.") or None,
         )
 
+    def padded_heads(self, tp_size: int) -> tuple[int, int]:
+        """(query heads, KV heads) the model is built with at ``tp_size``.
+
+        When ``tp_size`` does not divide the heads (SmolLM2-135M has 9 query / 3 KV heads,
+        so TP=2 would not split), whole KV groups of zero heads are appended: a zero query
+        head attends to zero values and its zero ``o_proj`` columns add nothing, so the
+        output is exactly the unpadded model's. The query/KV grouping is unchanged.
+        """
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        group = heads // kv
+        while not (kv * group % tp_size == 0 and (kv % tp_size == 0 or tp_size % kv == 0)):
+            kv += 1
+        return kv * group, kv
+
     def num_kv_heads_per_rank(self, tp_size: int) -> int:
         """KV heads stored per rank; heads are replicated when tp_size exceeds them."""
-        return max(1, self.num_key_value_heads // tp_size)
+        return max(1, self.padded_heads(tp_size)[1] // tp_size)
 
 
 def _context_len(hf: Any, requested: Optional[int]) -> int:

@@ -6,6 +6,7 @@ import logging
 import psutil
 import torch
 
+from distributed.communication import tp_min_int
 from distributed.parallel_state import RankInfo, TPGroup
 from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
@@ -52,7 +53,8 @@ class ModelRunner:
             self.device = f"cuda:{rank_info.local_rank}"
         self.dtype = resolve_dtype(server_args, self.device)
         self.model = load_model(model_config, tp, self.dtype, self.device)
-        self.max_total_num_tokens = self._profile_max_num_tokens()
+        # Every rank of the TP group must allocate identically: take the group's minimum.
+        self.max_total_num_tokens = tp_min_int(self._profile_max_num_tokens(), tp)
         self.max_running_requests = server_args.max_running_requests
         self.context_len = model_config.context_len
         self._init_memory_pool()
@@ -64,8 +66,7 @@ class ModelRunner:
             cfg.num_hidden_layers, cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim, self.dtype)
 
     def _profile_max_num_tokens(self) -> int:
-        """KV pool size. In a TP group every rank must use the same number (the multi-rank
-        launcher passes an explicit --max-total-tokens or agrees on the minimum)."""
+        """KV pool size from --max-total-tokens or this rank's free memory."""
         if self.server_args.max_total_tokens is not None:
             return self.server_args.max_total_tokens
         if self.device.startswith("cuda"):

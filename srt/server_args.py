@@ -44,19 +44,34 @@ class ServerArgs:
     grammar_compile_threads: int = _f(2, "Threads per rank that compile grammars in the background.")
     grammar_cache_size: int = _f(1024, "Compiled grammars (and compile failures) kept per rank, least recently used evicted.")
     reasoning_parser: Optional[str] = _f(None, "Thinking-model format: constraints start after the think-end token (qwen3, deepseek-r1).", ["qwen3", "deepseek-r1"])
-    # Parallelism (multi-rank arrives with the distributed issue)
-    tp_size: int = _f(1, "Tensor-parallel size.")
-    dp_size: int = _f(1, "Data-parallel size.")
-    nnodes: int = _f(1, "Number of nodes.")
-    node_rank: int = _f(0, "This node's rank.")
-    dist_init_addr: Optional[str] = _f(None, "host:port of node 0 for torch.distributed init.")
-    watchdog_timeout: float = _f(300.0, "Seconds a scheduler step may take before the server exits.")
+    # Parallelism
+    tp_size: int = _f(1, "Tensor-parallel size: ranks that shard one copy of the model.")
+    dp_size: int = _f(1, "Data-parallel size: independent TP groups; the frontend spreads requests over them.")
+    load_balance_method: str = _f("round_robin", "How the frontend picks a DP group for a request: round_robin, or shortest_queue (fewest requests in flight).", ["round_robin", "shortest_queue"])
+    nnodes: int = _f(1, "Number of nodes (without torchrun: start launch.py on each with --node-rank).")
+    node_rank: int = _f(0, "This node's rank (node 0 runs the HTTP frontend).")
+    dist_init_addr: Optional[str] = _f(None, "host:port of node 0 for torch.distributed init (default on one node: a free local port; required with --nnodes > 1).")
+    dist_timeout: float = _f(600.0, "Seconds the ranks wait for each other: the rendezvous at start-up and every collective after it (a lost peer fails the rank after this).")
+    watchdog_timeout: float = _f(300.0, "Seconds a scheduler iteration may take before its rank exits and the server goes down with it (0: off).")
     # Logging
     log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
 
     def __post_init__(self):
         if self.tp_size < 1 or self.dp_size < 1:
             raise ValueError("--tp-size and --dp-size must be at least 1")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes) (got {self.node_rank} of {self.nnodes})")
+        if (self.tp_size * self.dp_size) % self.nnodes:
+            raise ValueError(f"--tp-size x --dp-size ({self.tp_size * self.dp_size} ranks) must "
+                             f"split evenly over --nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}")
+        if self.dist_timeout <= 0 or self.watchdog_timeout < 0:
+            raise ValueError("--dist-timeout must be positive and --watchdog-timeout at least 0")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be at least 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:

@@ -7,8 +7,7 @@ import dataclasses
 import logging
 from typing import Any, Optional, Union
 
-from srt.entrypoints.launcher import launch_schedulers, prepare_server_args
-from srt.managers.io_struct import PortArgs
+from srt.entrypoints.launcher import launch_schedulers, new_port_args, prepare_server_args
 from srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
 from srt.server_args import ServerArgs
 from srt.tokenizer_utils import get_tokenizer
@@ -27,13 +26,16 @@ class Engine:
         if unknown:
             raise TypeError(f"Unknown Engine argument(s): {', '.join(unknown)}")
         self.server_args = prepare_server_args(ServerArgs(model_path=model_path, **kwargs))
-        self.port_args = PortArgs.new()
+        if self.server_args.nnodes > 1:
+            raise ValueError("Engine runs on one node; use launch.py for --nnodes > 1")
+        self.port_args = new_port_args(self.server_args, None)
         self._handles = launch_schedulers(self.server_args, self.port_args)
         self.tokenizer = get_tokenizer(
             self.server_args.tokenizer_path or self.server_args.model_path,
             self.server_args.chat_template)
         self.tokenizer_manager = TokenizerManager(
-            self.server_args, self.port_args, self._handles.info, self.tokenizer)
+            self.server_args, self.port_args, self._handles.info, self.tokenizer,
+            self._handles.input_addrs)
         self._loop = asyncio.new_event_loop()
 
     @property

@@ -120,32 +120,49 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
 def _stop_server(message: str) -> None:
     """A dead scheduler means no request can finish: stop serving (SGLang does too)."""
     logger.error("%s; shutting the server down.", message)
-    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown -> launch_server's finally
+    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown -> serve()'s finally
 
 
 def launch_server(server_args) -> None:
-    """Frontend process entry: start the scheduler ranks, then serve HTTP until stopped."""
-    import setproctitle
-    import uvicorn
+    """Node 0 without torchrun: start the scheduler ranks, then serve HTTP until stopped."""
+    from srt.entrypoints.launcher import launch_schedulers, new_port_args, prepare_server_args
 
-    from srt.entrypoints.launcher import launch_schedulers, prepare_server_args
-    from srt.managers.io_struct import PortArgs
-    from srt.tokenizer_utils import get_tokenizer
+    _init_frontend_process(server_args)
+    server_args = prepare_server_args(server_args)
+    host = (server_args.dist_init_addr or "").rpartition(":")[0] or None
+    port_args = new_port_args(server_args, host)
+    serve(server_args, port_args, launch_schedulers(server_args, port_args))
+
+
+def _init_frontend_process(server_args) -> None:
+    import setproctitle
 
     setproctitle.setproctitle("gramsync::frontend")
     logging.basicConfig(level=server_args.log_level.upper(),
-                        format="[%(asctime)s %(processName)s] %(levelname)s %(name)s: %(message)s")
-    server_args = prepare_server_args(server_args)
-    port_args = PortArgs.new()
-    handles = launch_schedulers(server_args, port_args)
+                        format="[%(asctime)s frontend] %(levelname)s %(name)s: %(message)s")
+
+
+def serve(server_args, port_args, handles) -> None:
+    """Serve HTTP on top of ready scheduler ranks until stopped. A rank that dies takes the
+    server down: this raises SystemExit naming the rank (exit code 1)."""
+    import uvicorn
+
+    from srt.tokenizer_utils import get_tokenizer
+
     tm = None
+    failure: list[str] = []
+
+    def on_rank_death(message: str) -> None:
+        failure.append(message)
+        _stop_server(message)
+
     try:
         tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path,
                                   server_args.chat_template)
-        tm = TokenizerManager(server_args, port_args, handles.info, tokenizer)
+        tm = TokenizerManager(server_args, port_args, handles.info, tokenizer, handles.input_addrs)
         tm.scheduler_alive = handles.alive
         app = create_app(tm, server_args)
-        handles.watch(_stop_server)
+        handles.watch(on_rank_death)
         uvicorn.run(app, host=server_args.host, port=server_args.port,
                     log_level=server_args.log_level, timeout_keep_alive=5,
                     timeout_graceful_shutdown=5)
@@ -153,3 +170,5 @@ def launch_server(server_args) -> None:
         handles.shutdown()
         if tm is not None:
             tm.close()
+    if failure:
+        raise SystemExit(f"gramsync: {failure[0]}; the server stopped.")

@@ -1,4 +1,10 @@
-"""Start the scheduler rank processes and wait until they are ready (TP=1/DP=1 here)."""
+"""Start this node's scheduler ranks and wait until the whole world is ready.
+
+``python launch.py`` spawns the node's ranks itself (world rank = node_rank * ranks per
+node + i); under torchrun each worker is one rank and ``srt/entrypoints/torchrun.py``
+takes this role. Either way every rank reports a ``RankReady`` over ZMQ to the launcher
+on node 0, which then knows each DP group's ``SchedulerInfo`` and request address.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -11,10 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from distributed.parallel_state import RankInfo
+import zmq
+
+from distributed.parallel_state import RankInfo, local_world_ranks
+from distributed.process_groups import DistConfig
 from srt import environ
-from srt.managers.io_struct import PortArgs, SchedulerInfo
-from srt.managers.scheduler_process import run_scheduler_process
+from srt.managers.io_struct import PortArgs, RankReady, SchedulerInfo, bind_address, free_port
+from srt.managers.scheduler_process import RankLaunch, run_scheduler_process
 from srt.model_loader import resolve_model_path
 from srt.server_args import ServerArgs
 
@@ -31,23 +40,48 @@ def prepare_server_args(server_args: ServerArgs) -> ServerArgs:
     return dataclasses.replace(server_args, model_path=model_dir, served_model_name=name).resolved()
 
 
+def dist_config(server_args: ServerArgs, init_method: Optional[str] = None) -> DistConfig:
+    if init_method is None:
+        addr = server_args.dist_init_addr or f"127.0.0.1:{free_port()}"
+        init_method = f"tcp://{addr}"
+    backend = "nccl" if server_args.resolved_device() == "cuda" else "gloo"
+    return DistConfig(init_method, backend, server_args.dist_timeout)
+
+
+def new_port_args(server_args: ServerArgs, frontend_host: Optional[str]) -> PortArgs:
+    """IPC on one node; TCP on ``frontend_host`` when ranks live on other nodes."""
+    return PortArgs.new(server_args.dp_size, frontend_host if server_args.nnodes > 1 else None)
+
+
 @dataclass
 class SchedulerHandles:
+    """The launcher's view of the ranks: its own children (possibly none) and, on node 0,
+    what every DP group's entry rank reported."""
+
     procs: list[mp.Process]
-    info: SchedulerInfo
+    info: Optional[SchedulerInfo] = None
+    input_addrs: tuple[str, ...] = ()
+    extra_alive: Optional[Callable[[], Optional[str]]] = None  # e.g. torchrun: parent rank gone
     _stopping: threading.Event = field(default_factory=threading.Event)
 
-    def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+    def dead_rank(self) -> Optional[str]:
+        """A message naming the first rank that exited, or None if all are alive."""
+        for p in self.procs:
+            if not p.is_alive():
+                return f"scheduler rank {p.name} (pid {p.pid}) exited with code {p.exitcode}"
+        return self.extra_alive() if self.extra_alive else None
 
-    def watch(self, on_death: Callable[[str], None], interval: float = 0.5) -> None:
-        """Call ``on_death(message)`` from a daemon thread if any rank exits unexpectedly."""
+    def alive(self) -> bool:
+        return self.dead_rank() is None
+
+    def watch(self, on_death: Callable[[str], None], interval: float = 0.2) -> None:
+        """Call ``on_death(message)`` from a daemon thread if any rank exits."""
         def loop():
             while not self._stopping.wait(interval):
-                for p in self.procs:
-                    if not p.is_alive():
-                        on_death(f"scheduler process {p.name} exited with code {p.exitcode}")
-                        return
+                message = self.dead_rank()
+                if message is not None:
+                    on_death(message)
+                    return
         threading.Thread(target=loop, daemon=True, name="scheduler-watch").start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -63,35 +97,87 @@ class SchedulerHandles:
                 p.join(1.0)
 
 
-def launch_schedulers(server_args: ServerArgs, port_args: PortArgs) -> SchedulerHandles:
-    if server_args.tp_size * server_args.dp_size * server_args.nnodes != 1:
-        raise NotImplementedError("--tp-size/--dp-size/--nnodes > 1 arrive with the multi-rank issue")
+def spawn_local_ranks(server_args: ServerArgs, port_args: Optional[PortArgs],
+                      dist: DistConfig) -> list[mp.Process]:
     ctx = mp.get_context("spawn")
-    rank = RankInfo()
-    reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_scheduler_process, name=rank.proc_title,
-                       args=(server_args, port_args, rank, writer), daemon=True)
-    proc.start()
-    writer.close()
-    handles = SchedulerHandles([proc], info=None)  # type: ignore[arg-type]
-    info = _wait_ready(reader, proc, environ.GRAMSYNC_STARTUP_TIMEOUT.get())
-    if not isinstance(info, SchedulerInfo):
+    procs = []
+    for world_rank in local_world_ranks(server_args.tp_size, server_args.dp_size,
+                                        server_args.nnodes, server_args.node_rank):
+        rank = RankInfo.for_world_rank(world_rank, server_args.tp_size, server_args.dp_size,
+                                       server_args.nnodes)
+        launch = RankLaunch(server_args, rank, dist, port_args)
+        proc = ctx.Process(target=run_scheduler_process, name=rank.name, args=(launch,), daemon=True)
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def launch_schedulers(server_args: ServerArgs, port_args: PortArgs) -> SchedulerHandles:
+    """Node 0 (with the frontend): spawn this node's ranks, wait for the whole world."""
+    ctx = zmq.Context()
+    ready = bind_ready_socket(ctx, port_args)
+    handles = SchedulerHandles([])
+    try:
+        handles.procs = spawn_local_ranks(server_args, port_args, dist_config(server_args))
+        wait_for_ranks(ready, server_args, handles)
+    except BaseException:
         handles.shutdown()
-        raise RuntimeError(info)
-    handles.info = info
+        raise
+    finally:
+        ready.close(0)
+        ctx.term()
     return handles
 
 
-def _wait_ready(reader, proc: mp.Process, timeout: float) -> SchedulerInfo | str:
+def bind_ready_socket(ctx: zmq.Context, port_args: PortArgs) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.bind(bind_address(port_args.ready_ipc))
+    return sock
+
+
+def wait_for_ranks(ready: zmq.Socket, server_args: ServerArgs, handles: SchedulerHandles) -> None:
+    """Collect every rank's RankReady; fill ``handles.info`` / ``input_addrs``. Raises
+    RuntimeError naming the rank on a start-up failure, a dead rank or the timeout."""
+    world_size = server_args.tp_size * server_args.dp_size
+    timeout = environ.GRAMSYNC_STARTUP_TIMEOUT.get()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if reader.poll(0.2):
-            try:
-                return reader.recv()
-            except EOFError:
-                break
-        if not proc.is_alive():
-            break
-    if proc.is_alive():
-        return f"scheduler did not become ready within {timeout} s (GRAMSYNC_STARTUP_TIMEOUT)"
-    return f"scheduler process exited with code {proc.exitcode} before it was ready"
+    reports: dict[int, RankReady] = {}
+    while len(reports) < world_size:
+        if ready.poll(200):
+            msg: RankReady = ready.recv_pyobj()
+            if msg.error is not None:
+                raise RuntimeError(msg.error)
+            reports[msg.world_rank] = msg
+            continue
+        dead = handles.dead_rank()
+        if dead is not None:
+            raise RuntimeError(f"{dead} before it was ready; see its log above")
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world_size)) - reports.keys())
+            names = [RankInfo.for_world_rank(r, server_args.tp_size, server_args.dp_size).name
+                     for r in missing]
+            raise RuntimeError(f"scheduler rank(s) {', '.join(names)} did not become ready "
+                               f"within {timeout} s (GRAMSYNC_STARTUP_TIMEOUT)")
+    entries = [reports[d * server_args.tp_size] for d in range(server_args.dp_size)]
+    handles.info = entries[0].info
+    handles.input_addrs = tuple(e.input_addr for e in entries)
+    logger.info("all %d scheduler ranks are ready", world_size)
+
+
+def run_worker_node(server_args: ServerArgs) -> int:
+    """Nodes 1..n-1 of a multi-node launch without torchrun: run this node's ranks until
+    one exits; then stop the others and return a non-zero code."""
+    procs = spawn_local_ranks(server_args, None, dist_config(server_args))
+    handles = SchedulerHandles(procs)
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
+    try:
+        while not stopped.wait(0.2):
+            dead = handles.dead_rank()
+            if dead is not None:
+                logger.error("%s; stopping node %d", dead, server_args.node_rank)
+                return 1
+        return 0
+    finally:
+        handles.shutdown()

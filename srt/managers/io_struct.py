@@ -75,15 +75,56 @@ class SchedulerInfo:
 
 
 @dataclass(frozen=True)
-class PortArgs:
-    """ZMQ endpoints between the frontend and the entry rank(s)."""
+class RankReady:
+    """Every rank's start-up report to the launcher: ready (entry ranks add their
+    SchedulerInfo and the address their request socket is bound to) or failed."""
 
-    scheduler_input_ipc: str  # frontend PUSH -> scheduler PULL
+    world_rank: int
+    name: str  # "DP{d}_TP{t}"
+    error: Optional[str] = None
+    info: Optional[SchedulerInfo] = None
+    input_addr: Optional[str] = None  # entry ranks: where the frontend sends this DP group's requests
+
+
+@dataclass(frozen=True)
+class PortArgs:
+    """ZMQ endpoints. The frontend binds ``frontend_input`` and ``ready``; each entry rank
+    binds its DP group's ``scheduler_inputs[d]`` (on TCP, "tcp://*:0": a free port it then
+    reports in RankReady) and the frontend connects to what the entry ranks report."""
+
     frontend_input_ipc: str  # scheduler PUSH -> frontend PULL
+    ready_ipc: str  # every rank PUSH RankReady -> launcher PULL
+    scheduler_input_ipcs: tuple[str, ...]  # frontend PUSH -> entry rank of DP group d
+
+    @property
+    def scheduler_input_ipc(self) -> str:
+        """DP group 0's request endpoint (the only one at --dp-size 1)."""
+        return self.scheduler_input_ipcs[0]
 
     @classmethod
-    def new(cls) -> "PortArgs":
+    def new(cls, dp_size: int = 1, tcp_host: Optional[str] = None) -> "PortArgs":
+        """IPC files in a fresh directory (one machine), or TCP ports on ``tcp_host``
+        (the frontend's address as the other nodes reach it)."""
+        if tcp_host is not None:
+            return cls(f"tcp://{tcp_host}:{free_port()}", f"tcp://{tcp_host}:{free_port()}",
+                       ("tcp://*:0",) * dp_size)
         import tempfile
 
         d = tempfile.mkdtemp(prefix="gramsync-ipc-")
-        return cls(f"ipc://{d}/scheduler_input", f"ipc://{d}/frontend_input")
+        return cls(f"ipc://{d}/frontend_input", f"ipc://{d}/ready",
+                   tuple(f"ipc://{d}/scheduler_input_dp{i}" for i in range(dp_size)))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def bind_address(addr: str) -> str:
+    """TCP endpoints are bound on every interface; others as given."""
+    if addr.startswith("tcp://"):
+        return "tcp://*:" + addr.rsplit(":", 1)[1]
+    return addr

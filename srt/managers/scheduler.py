@@ -18,9 +18,11 @@ import torch
 from constrained.grammar_manager import GrammarManager
 from constrained.registry import create_grammar_backend
 from distributed.parallel_state import RankInfo, TPGroup
+from distributed.token_agreement import agree_on_sampled_ids
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
 from srt.forward_batch import ForwardMode
+from srt.managers.batch_log import BatchLog
 from srt.managers.io_struct import AbortReq, BatchTokenOut, FinishReason, TokenizedGenerateReq
 from srt.managers.req import Req
 from srt.managers.schedule_batch import KVCacheManager
@@ -35,9 +37,11 @@ Message = Union[TokenizedGenerateReq, AbortReq]
 
 class Scheduler:
     def __init__(self, server_args: ServerArgs, rank_info: RankInfo, tp: TPGroup,
-                 model_config: ModelConfig, tokenizer=None):
+                 model_config: ModelConfig, tokenizer=None, batch_log: Optional[BatchLog] = None):
         self.server_args = server_args
         self.rank_info = rank_info
+        self.tp = tp
+        self.batch_log = batch_log or BatchLog(None)
         self.model_config = model_config
         self.tokenizer = tokenizer  # only for stop strings
         self.runner = ModelRunner(server_args, model_config, rank_info, tp)
@@ -63,6 +67,9 @@ class Scheduler:
         # Seconds spent filling / applying grammar masks, for benchmarks and logs.
         self.mask_fill_seconds = self.mask_apply_seconds = 0.0
         self.mask_steps = 0
+        # Token agreement (TP > 1, batches with grammars): rows where this rank's own
+        # sample differed from the agreed one. Expected to stay 0; measured, not assumed.
+        self.token_agreement_steps = self.token_mismatches = 0
 
     # ---- input -----------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -205,6 +212,7 @@ class Scheduler:
                 r.first_scheduled_time = r.first_scheduled_time or now
         else:
             fb = self.kv.prepare_decode(reqs)
+        self.batch_log.record(mode.name, (r.rid for r in reqs))
         logits = self.runner.forward(fb)
         if mode is ForwardMode.EXTEND:
             info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.runner.device,
@@ -213,6 +221,14 @@ class Scheduler:
             info = self.running_info
             assert info is not None and len(info) == len(reqs), "sampling state out of step"
         next_ids = self.runner.sample(logits, info)
+        if not self.tp.is_single and any(g is not None for g in info.grammars):
+            # Same decision on every rank (identical batch): grammars must see one token.
+            next_ids, mismatches = agree_on_sampled_ids(next_ids, self.tp)
+            self.token_agreement_steps += 1
+            if mismatches:
+                self.token_mismatches += mismatches
+                logger.warning("%s %d sampled token(s) differed from the TP group's agreed ids",
+                               self.rank_info.log_prefix, mismatches)
         if info.vocab_mask is not None:
             self.mask_fill_seconds += info.mask_fill_seconds
             self.mask_apply_seconds += info.mask_apply_seconds

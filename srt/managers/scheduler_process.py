@@ -1,22 +1,38 @@
-"""Entry point of a scheduler rank's process."""
+"""Entry point of a scheduler rank's process (spawned by the launcher, or a torchrun worker).
+
+Start-up order: join the world and build the TP group -> learn the endpoints and the shared
+seed from world rank 0 -> load the model -> report ``RankReady`` to the launcher -> loop.
+Any failure before the loop is reported to the launcher with its traceback; any failure
+in the loop exits non-zero, which the launcher (or torchrun) turns into a server exit.
+"""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import traceback
-from multiprocessing.connection import Connection
+from dataclasses import dataclass
+from typing import Optional
 
 import setproctitle
 import zmq
 
-from distributed.parallel_state import SINGLE_RANK, RankInfo
-from srt.managers.io_struct import PortArgs, SchedulerInfo
-from srt.managers.request_receiver import OutputSender, RequestReceiver
-from srt.managers.scheduler import Scheduler
-from srt.managers.watchdog import Watchdog
-from srt.model_config import ModelConfig
+from distributed.parallel_state import RankInfo
+from distributed.process_groups import DistConfig
+from srt.managers.io_struct import PortArgs, RankReady, SchedulerInfo
 from srt.server_args import ServerArgs
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    """Everything a rank process needs. ``port_args`` is None on ranks that receive it
+    from world rank 0 (other nodes; torchrun workers)."""
+
+    server_args: ServerArgs
+    rank_info: RankInfo
+    dist: DistConfig
+    port_args: Optional[PortArgs] = None
 
 
 def configure_logging(level: str, prefix: str) -> None:
@@ -25,36 +41,69 @@ def configure_logging(level: str, prefix: str) -> None:
         format=f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s")
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, rank_info: RankInfo,
-                          ready_pipe: Connection) -> None:
+def run_scheduler_process(launch: RankLaunch) -> None:
+    from srt.process_utils import die_with_parent
+
+    die_with_parent()  # never outlive the launcher (or torchrun agent)
+    rank_info = launch.rank_info
     setproctitle.setproctitle(rank_info.proc_title)
-    configure_logging(server_args.log_level, rank_info.log_prefix)
+    configure_logging(launch.server_args.log_level, rank_info.log_prefix)
     logger = logging.getLogger(__name__)
+    ready_sock = None
     try:
         import torch
+
+        from distributed.broadcast import broadcast_pyobj
+        from distributed.process_groups import init_process_groups
+        from srt.managers.batch_log import BatchLog
+        from srt.managers.request_receiver import OutputSender, RequestReceiver, reachable_ip
+        from srt.managers.scheduler import Scheduler
+        from srt.managers.watchdog import Watchdog
+        from srt.model_config import ModelConfig
+
+        torch.set_grad_enabled(False)
+        server_args = launch.server_args
+        if server_args.resolved_device() == "cpu":  # ranks of a node share its cores
+            per_node = rank_info.world_size // rank_info.nnodes
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+        tp, world = init_process_groups(rank_info, launch.dist)
+        port_args, seed = launch.port_args, server_args.random_seed
+        if world is not None:  # world rank 0 decides; everyone must use the same values
+            port_args, seed = broadcast_pyobj((port_args, seed), rank_info.world_rank == 0, 0, world)
+        server_args = dataclasses.replace(server_args, random_seed=seed)
+        ctx = zmq.Context()
+        ready_sock = ctx.socket(zmq.PUSH)
+        ready_sock.setsockopt(zmq.LINGER, 5000)
+        ready_sock.connect(port_args.ready_ipc)
         from transformers import AutoTokenizer
 
-        # Two cores shared with the frontend: leave torch its default intra-op threads.
-        torch.set_grad_enabled(False)
         model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
-        tp = SINGLE_RANK
-        scheduler = Scheduler(server_args, rank_info, tp, model_config, tokenizer)
-        ctx = zmq.Context()
-        receiver = RequestReceiver(ctx, port_args.scheduler_input_ipc, rank_info, tp)
+        batch_log = BatchLog.from_env(rank_info)
+        scheduler = Scheduler(server_args, rank_info, tp, model_config, tokenizer, batch_log)
+        advertise = _advertise_host(launch.dist.init_method, reachable_ip)
+        receiver = RequestReceiver(ctx, port_args.scheduler_input_ipcs[rank_info.dp_rank],
+                                   rank_info, tp, advertise)
         sender = OutputSender(ctx, port_args.frontend_input_ipc, rank_info)
         runner = scheduler.runner
-        ready_pipe.send(SchedulerInfo(
+        info = SchedulerInfo(
             max_total_num_tokens=runner.max_total_num_tokens,
             max_running_requests=runner.max_running_requests,
             context_len=runner.context_len,
             vocab_size=model_config.vocab_size,
-            eos_token_ids=tuple(model_config.eos_token_ids)))
+            eos_token_ids=tuple(model_config.eos_token_ids))
+        ready_sock.send_pyobj(RankReady(rank_info.world_rank, rank_info.name,
+                                        info=info if rank_info.is_entry_rank else None,
+                                        input_addr=receiver.address))
     except Exception:
         msg = traceback.format_exc()
         logger.error("scheduler failed to start:\n%s", msg)
-        ready_pipe.send(f"{rank_info.log_prefix} scheduler failed to start:\n{msg}")
+        if ready_sock is not None:
+            ready_sock.send_pyobj(RankReady(rank_info.world_rank, rank_info.name,
+                                            error=f"scheduler {rank_info.name} failed to start:\n{msg}"))
+            ready_sock.close()
         sys.exit(1)
+    ready_sock.close()
     logger.info("scheduler ready (pid %d)", os.getpid())
     watchdog = Watchdog(server_args.watchdog_timeout, rank_info.log_prefix)
     watchdog.start()
@@ -63,3 +112,16 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, rank_inf
     except Exception:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         sys.exit(1)
+
+
+def _advertise_host(init_method: str, find_ip) -> Optional[str]:
+    """Host the frontend should use for this node's request sockets (TCP only)."""
+    from srt import environ
+
+    explicit = environ.GRAMSYNC_HOST_IP.get()
+    if explicit:
+        return explicit
+    if init_method.startswith("tcp://"):
+        return find_ip(init_method[len("tcp://"):].rsplit(":", 1)[0])
+    master = os.environ.get("MASTER_ADDR")
+    return find_ip(master) if master else None

@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from srt.managers.detokenizer import DecodeState
+from srt.managers.dp_dispatch import DPDispatcher
 from srt.managers.generate_input import GenerateReqInput, prepare_request
 from srt.managers.io_struct import (
     AbortReq, BatchTokenOut, FinishReason, PortArgs, SchedulerInfo, TokenizedGenerateReq,
@@ -35,10 +36,14 @@ class _ReqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: Optional[FinishReason] = None
+    dp_rank: int = 0  # the DP group serving it: aborts must go to the same group
 
 
 class TokenizerManager:
-    def __init__(self, server_args, port_args: PortArgs, scheduler_info: SchedulerInfo, tokenizer):
+    def __init__(self, server_args, port_args: PortArgs, scheduler_info: SchedulerInfo, tokenizer,
+                 scheduler_input_addrs: Optional[tuple[str, ...]] = None):
+        """``scheduler_input_addrs``: each DP group's request address as its entry rank
+        reported it (default: the IPC endpoints of ``port_args``)."""
         self.server_args = server_args
         self.port_args = port_args
         self.scheduler_info = scheduler_info
@@ -47,10 +52,17 @@ class TokenizerManager:
         # Sends are plain (sync) zmq: with an unlimited HWM a PUSH never blocks, so they
         # can run from finally-blocks of cancelled tasks (client disconnects) too.
         self._sync_ctx = zmq.Context()
-        self._send = self._sync_ctx.socket(zmq.PUSH)
-        self._send.setsockopt(zmq.SNDHWM, 0)
-        self._send.setsockopt(zmq.LINGER, 0)
-        self._send.connect(port_args.scheduler_input_ipc)
+        # One PUSH per DP group: a connecting PUSH queues until the peer is there.
+        addrs = scheduler_input_addrs or port_args.scheduler_input_ipcs
+        self._sends = []
+        for addr in addrs:
+            sock = self._sync_ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(addr)
+            self._sends.append(sock)
+        self.dispatcher = DPDispatcher(len(self._sends), getattr(
+            server_args, "load_balance_method", "round_robin"))
         self._async_ctx = zmq.asyncio.Context()
         self._recv = self._async_ctx.socket(zmq.PULL)
         self._recv.setsockopt(zmq.RCVHWM, 0)
@@ -82,9 +94,10 @@ class TokenizerManager:
         p = req.sampling_params
         state = _ReqState(req, DecodeState(self.tokenizer, req.input_ids, p.stop, p.skip_special_tokens))
         state.prompt_tokens = len(req.input_ids)
+        state.dp_rank = self.dispatcher.pick()
         self.rid_to_state[req.rid] = state
         try:
-            self._send.send_pyobj(req)
+            self._sends[state.dp_rank].send_pyobj(req)
             while True:
                 chunks = [await state.queue.get()]
                 while not state.queue.empty():  # coalesce when the consumer is slower
@@ -97,15 +110,17 @@ class TokenizerManager:
                     return
         finally:
             self.rid_to_state.pop(req.rid, None)
+            self.dispatcher.done(state.dp_rank)
             if state.finish_reason is None:  # consumer went away (disconnect, cancel, error)
                 self.num_aborted += 1
                 with contextlib.suppress(zmq.ZMQError):  # already closed at shutdown
-                    self._send.send_pyobj(AbortReq(req.rid))
+                    self._sends[state.dp_rank].send_pyobj(AbortReq(req.rid))
 
     def abort_request(self, rid: str) -> None:
         """Ask the scheduler to abort ``rid``; it answers with an abort finish reason."""
-        if rid in self.rid_to_state:
-            self._send.send_pyobj(AbortReq(rid))
+        state = self.rid_to_state.get(rid)
+        if state is not None:
+            self._sends[state.dp_rank].send_pyobj(AbortReq(rid))
 
     def _apply(self, state: _ReqState, new_ids, reason, prompt_tokens, completion_tokens) -> None:
         new_ids = list(new_ids)
@@ -179,7 +194,8 @@ class TokenizerManager:
         if self._handle_task is not None:
             self._handle_task.cancel()
         self._recv.close(0)
-        self._send.close(0)
+        for sock in self._sends:
+            sock.close(0)
         self._async_ctx.term()
         self._sync_ctx.term()
 

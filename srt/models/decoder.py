@@ -55,9 +55,10 @@ class SelfAttention(nn.Module):
         attn_bias = bool(getattr(hf, "attention_bias", False))
         qkv_bias = attn_bias or cfg.architecture == "Qwen2ForCausalLM"
         self.head_dim = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_key_value_heads, bias=qkv_bias, tp=tp, params_dtype=dtype)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+        heads, kv_heads = cfg.padded_heads(tp.size)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, heads, kv_heads,
+                                          bias=qkv_bias, tp=tp, params_dtype=dtype)
+        self.o_proj = RowParallelLinear(heads * cfg.head_dim, cfg.hidden_size,
                                         bias=attn_bias, tp=tp, params_dtype=dtype)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
@@ -147,6 +148,7 @@ class CausalLM(nn.Module):
                 if f".{hf_part}." in name:
                     name, shard_id = name.replace(f".{hf_part}.", f".{fused}."), sid
                     break
+            tensor = self._pad_heads(name, shard_id, tensor)
             if name not in params:
                 raise KeyError(f"Checkpoint tensor {name!r} has no matching model parameter")
             param = params[name]
@@ -160,3 +162,21 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"Checkpoint is missing weights for: {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}")
+
+    def _pad_heads(self, name: str, shard_id, tensor: torch.Tensor) -> torch.Tensor:
+        """Append zero heads to q/k/v rows and o_proj columns (see ModelConfig.padded_heads)."""
+        cfg = self.config
+        heads, kv_heads = cfg.padded_heads(self.tp.size)
+        if heads == cfg.num_attention_heads:
+            return tensor
+        d = cfg.head_dim
+        if ".qkv_proj." in name:
+            if shard_id is None:  # fused [q; k; v]: pad each part
+                q, k, v = tensor.split([cfg.num_attention_heads * d, cfg.num_key_value_heads * d,
+                                        cfg.num_key_value_heads * d])
+                return torch.cat([self._pad_heads(name, s, t) for s, t in (("q", q), ("k", k), ("v", v))])
+            rows = (heads if shard_id == "q" else kv_heads) * d
+            return F.pad(tensor, [0, 0] * (tensor.dim() - 1) + [0, rows - tensor.shape[0]])
+        if ".o_proj.weight" in name:
+            return F.pad(tensor, [0, heads * d - tensor.shape[1]])
+        return tensor

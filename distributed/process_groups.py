@@ -1,0 +1,60 @@
+"""Create the process groups of one rank: the world (start-up only) and its TP group.
+
+``torch.distributed.new_group`` must be called by every rank for every group, in the same
+order, so each rank walks all DP groups and keeps the one it belongs to.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from distributed.parallel_state import SINGLE_RANK, RankInfo, TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """How a rank joins the world. Frozen: crosses the spawn boundary."""
+
+    init_method: str  # "tcp://host:port" or "env://" (torchrun)
+    device_backend: str  # "gloo" (CPU) or "nccl" (CUDA)
+    timeout_s: float  # rendezvous and every collective (gloo/NCCL raise past it)
+
+
+def init_process_groups(rank: RankInfo, cfg: DistConfig) -> tuple[TPGroup, Optional[Any]]:
+    """Join the world (if it has more than one rank) and build this rank's TP group.
+
+    Returns ``(tp_group, world_cpu_group)``; at world size 1 nothing is created and the
+    result is ``(SINGLE_RANK, None)``. The world group is gloo: it carries start-up
+    messages only (endpoints, the shared seed); the TP groups carry all steady-state work.
+    """
+    if rank.world_size == 1:
+        return SINGLE_RANK, None
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    logger.info("%s joining world of %d ranks at %s (timeout %.0f s)", rank.log_prefix,
+                rank.world_size, cfg.init_method, cfg.timeout_s)
+    dist.init_process_group("gloo", init_method=cfg.init_method, world_size=rank.world_size,
+                            rank=rank.world_rank, timeout=timeout)
+    world = dist.group.WORLD
+    if rank.tp_size == 1:
+        return SINGLE_RANK, world
+    mine = None
+    for dp in range(rank.dp_size):
+        ranks = list(range(dp * rank.tp_size, (dp + 1) * rank.tp_size))
+        device = dist.new_group(ranks, timeout=timeout, backend=cfg.device_backend)
+        # Separate even on CPU: control messages never queue behind tensor traffic.
+        cpu = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        if dp == rank.dp_rank:
+            mine = TPGroup(rank.tp_rank, rank.tp_size, device, cpu)
+    assert mine is not None
+    return mine, world
+
+
+def destroy_process_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

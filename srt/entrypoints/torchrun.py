@@ -1,0 +1,108 @@
+"""``torchrun ... launch.py``: every torchrun worker is one scheduler rank.
+
+The world comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; single- or multi-node, static or rendezvous).
+Global rank 0 also starts the HTTP frontend as a child process; if the frontend exits,
+rank 0 exits too and torchrun stops every other worker, and if rank 0 dies the frontend
+is told by the kernel (parent-death signal) and stops.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import sys
+import threading
+
+from distributed.parallel_state import RankInfo
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+def torchrun_server_args(server_args: ServerArgs) -> tuple[ServerArgs, RankInfo]:
+    """Check the flags against torchrun's world and derive the node layout from it."""
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world != server_args.tp_size * server_args.dp_size:
+        raise ValueError(f"torchrun started {world} processes but --tp-size {server_args.tp_size} "
+                         f"x --dp-size {server_args.dp_size} = "
+                         f"{server_args.tp_size * server_args.dp_size}: they must match")
+    nnodes = world // per_node
+    master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    server_args = dataclasses.replace(server_args, nnodes=nnodes, node_rank=rank // per_node,
+                                      dist_init_addr=master)
+    info = RankInfo.for_world_rank(rank, server_args.tp_size, server_args.dp_size, nnodes)
+    if info.local_rank != int(os.environ["LOCAL_RANK"]):
+        raise ValueError(f"torchrun gave RANK {rank} LOCAL_RANK {os.environ['LOCAL_RANK']}, "
+                         "but gramsync expects consecutive ranks per node")
+    return server_args, info
+
+
+def torchrun_main(server_args: ServerArgs) -> None:
+    from srt.entrypoints.launcher import dist_config, new_port_args, prepare_server_args
+    from srt.managers.scheduler_process import RankLaunch, run_scheduler_process
+
+    try:
+        server_args, rank = torchrun_server_args(server_args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    server_args = prepare_server_args(server_args)  # per node: GGUF conversion is locked
+    port_args = None
+    if rank.world_rank == 0:
+        port_args = new_port_args(server_args, os.environ["MASTER_ADDR"])
+        frontend = mp.get_context("spawn").Process(
+            target=run_frontend, args=(server_args, port_args, os.getpid()),
+            name="frontend", daemon=True)
+        frontend.start()
+        _exit_with(frontend)
+    run_scheduler_process(RankLaunch(server_args, rank, dist_config(server_args, "env://"),
+                                     port_args))
+
+
+def _exit_with(frontend: mp.Process) -> None:
+    """Rank 0 leaves when its frontend does (stopped by a user, or failed)."""
+    def loop():
+        frontend.join()
+        code = frontend.exitcode or 0
+        logging.getLogger(__name__).error("the frontend exited with code %s; stopping rank 0", code)
+        os._exit(code if code > 0 else 1)
+    threading.Thread(target=loop, daemon=True, name="frontend-watch").start()
+
+
+def run_frontend(server_args: ServerArgs, port_args, parent_pid: int) -> None:
+    """The frontend process under torchrun: wait for every rank, then serve."""
+    import signal
+
+    import zmq
+
+    from srt.entrypoints.http_server import _init_frontend_process, serve
+    from srt.entrypoints.launcher import SchedulerHandles, bind_ready_socket, wait_for_ranks
+    from srt.process_utils import die_with_parent
+
+    die_with_parent(signal.SIGTERM)
+    _init_frontend_process(server_args)
+
+    def parent_gone():
+        if os.getppid() != parent_pid:
+            return "scheduler rank DP0_TP0 (the frontend's parent, torchrun rank 0) exited"
+        return None
+
+    handles = SchedulerHandles([], extra_alive=parent_gone)
+    ctx = zmq.Context()
+    ready = bind_ready_socket(ctx, port_args)
+    try:
+        wait_for_ranks(ready, server_args, handles)
+    except RuntimeError as e:
+        sys.exit(f"gramsync: {e}")
+    finally:
+        ready.close(0)
+        ctx.term()
+    serve(server_args, port_args, handles)

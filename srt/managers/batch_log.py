@@ -1,0 +1,34 @@
+"""Optional per-rank record of every batch a scheduler runs (GRAMSYNC_BATCH_LOG_DIR).
+
+One line per batch: ``<step> <mode> <rid>,<rid>,...``, written to
+``<dir>/batches_DP{d}_TP{t}.log``. The ranks of a TP group must write identical files:
+comparing them is how lock-step is checked (the multi-rank tests do) and how a
+divergence is found in production.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, TextIO
+
+from distributed.parallel_state import RankInfo
+from srt import environ
+
+
+class BatchLog:
+    def __init__(self, path: Optional[str]):
+        self.path = path
+        self._file: Optional[TextIO] = open(path, "a", buffering=1) if path else None
+        self._step = 0
+
+    @classmethod
+    def from_env(cls, rank_info: RankInfo) -> "BatchLog":
+        directory = environ.GRAMSYNC_BATCH_LOG_DIR.get()
+        if not directory:
+            return cls(None)
+        os.makedirs(directory, exist_ok=True)
+        return cls(os.path.join(directory, f"batches_{rank_info.name}.log"))
+
+    def record(self, mode: str, rids) -> None:
+        if self._file is not None:
+            self._file.write(f"{self._step} {mode} {','.join(rids)}\n")
+            self._step += 1

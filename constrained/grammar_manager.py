@@ -49,13 +49,15 @@ class GrammarManager:
         self.grammar_queue.append(req)
         return True
 
-    def get_ready_grammar_requests(self) -> tuple[list, list]:
+    def get_ready_grammar_requests(self, idle: bool = True) -> tuple[list, list]:
         """(ready, failed) requests, identical on every rank; failed ones are finished with
-        an abort (400) carrying the reason. Waits at most SGLANG_GRAMMAR_POLL_INTERVAL."""
+        an abort (400) carrying the reason. ``idle`` (nothing else to run; the same on every
+        rank): wait up to SGLANG_GRAMMAR_POLL_INTERVAL for a compile; otherwise only look,
+        so pending grammars never slow down the running batch."""
         if not self.grammar_queue:  # identical on every rank: no collective needed
             return [], []
         pending = {r.grammar_future for r in self.grammar_queue if not r.grammar_future.done()}
-        if pending:
+        if pending and idle:
             wait(pending, timeout=environ.SGLANG_GRAMMAR_POLL_INTERVAL.get(), return_when=FIRST_COMPLETED)
         max_polls = environ.SGLANG_GRAMMAR_MAX_POLL_ITERATIONS.get()
         ready, failed = set(), {}

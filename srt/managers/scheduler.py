@@ -166,7 +166,8 @@ class Scheduler:
 
     def _poll_grammars(self) -> None:
         """Agreed-ready constrained requests join the waiting queue; agreed-failed ones end."""
-        ready, failed = self.grammar_manager.get_ready_grammar_requests()
+        idle = not (self.running or self.waiting)  # identical on every rank
+        ready, failed = self.grammar_manager.get_ready_grammar_requests(idle)
         self.waiting.extend(ready)
         for req in failed:
             self.reqs.pop(req.rid, None)

@@ -24,6 +24,9 @@ from srt.managers.io_struct import PortArgs, RankReady, SchedulerInfo
 from srt.server_args import ServerArgs
 
 
+PEER_CHECK_INTERVAL_S = 2.0
+
+
 @dataclass(frozen=True)
 class RankLaunch:
     """Everything a rank process needs. ``port_args`` is None on ranks that receive it
@@ -107,6 +110,15 @@ def run_scheduler_process(launch: RankLaunch) -> None:
     logger.info("scheduler ready (pid %d)", os.getpid())
     watchdog = Watchdog(server_args.watchdog_timeout, rank_info.log_prefix)
     watchdog.start()
+    if world is not None:
+        from distributed.peer_liveness import start_peer_liveness
+
+        def lost(reason: str) -> None:
+            logger.error("lost contact with another rank of the world (%s); exiting", reason)
+            os._exit(1)
+
+        liveness_timeout = server_args.watchdog_timeout or server_args.dist_timeout
+        start_peer_liveness(world, PEER_CHECK_INTERVAL_S, liveness_timeout, lost)
     try:
         scheduler.event_loop(receiver.recv, sender.send, watchdog.feed)
     except Exception:

@@ -1,0 +1,30 @@
+#!/bin/bash
+# Serve one model over several machines with torchrun: run this on every node.
+#
+#   # node 0 (its address: 10.0.0.1)          # node 1
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 \   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 \
+#   NPROC_PER_NODE=8 scripts/torchrun_multinode.sh --model-path /shared/Qwen3-8B --tp-size 8 --dp-size 2
+#
+# Every torchrun worker is one scheduler rank; global rank 0 also runs the HTTP frontend.
+# Set RDZV_ENDPOINT=host:port instead of NODE_RANK to use torchrun's c10d rendezvous (node
+# ranks are then assigned by torchrun). The flags after the script name go to launch.py;
+# --tp-size x --dp-size must equal NNODES x NPROC_PER_NODE. torchrun stops every worker
+# of every node when one fails (--max-restarts 0), so the server never half-runs.
+set -euo pipefail
+
+GRAMSYNC_DIR=${GRAMSYNC_DIR:-$(cd "$(dirname "$0")/.." && pwd)}
+PYTHON=${PYTHON:-$GRAMSYNC_DIR/.venv/bin/python}
+NNODES=${NNODES:?set NNODES}
+NPROC_PER_NODE=${NPROC_PER_NODE:?set NPROC_PER_NODE (GPUs per node)}
+MASTER_PORT=${MASTER_PORT:-29500}
+GRAMSYNC_PORT=${GRAMSYNC_PORT:-30000}
+
+if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
+  WORLD=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-gramsync}")
+else
+  WORLD=(--nnodes "$NNODES" --node-rank "${NODE_RANK:?set NODE_RANK or RDZV_ENDPOINT}"
+         --master-addr "${MASTER_ADDR:?set MASTER_ADDR}" --master-port "$MASTER_PORT")
+fi
+
+exec "$PYTHON" -m torch.distributed.run "${WORLD[@]}" --nproc-per-node "$NPROC_PER_NODE" \
+  --max-restarts 0 "$GRAMSYNC_DIR/launch.py" --host 0.0.0.0 --port "$GRAMSYNC_PORT" "$@"

@@ -1,0 +1,495 @@
+"""Multi-rank serving end to end, with REAL processes on CPU (gloo on 127.0.0.1):
+
+- ``--tp-size 2``: the openai client, constrained output, greedy ids equal to TP=1, and the
+  two TP ranks running identical batches (``GRAMSYNC_BATCH_LOG_DIR``);
+- ``--dp-size 2``: requests spread over both DP groups, greedy ids equal to TP=1, and an
+  abort (client disconnect) reaching the group that runs the request;
+- ``torchrun --nproc-per-node 2 launch.py --tp-size 2``: a constrained request, a clean stop;
+- failures naming the rank: a SIGKILLed rank takes the server down, a rank failing at
+  start-up (``tests/fail_on_rank_plugin.py``) is named with its traceback, and bad
+  parallel layouts are rejected by ``ServerArgs``;
+- cheap unit tests of ``DPDispatcher`` and ``torchrun_server_args``.
+
+The machine may have 2 cores: one server of each kind (module-scoped), greedy and short.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import jsonschema
+import openai
+import psutil
+import pytest
+
+from conftest import ROOT, _launch_server
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+STARTUP_TIMEOUT_S = 150
+
+# Sent one at a time (batch shapes equal to the TP=1 reference's), greedy.
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three colors:",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+]
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+PHONE_REGEX = r"[0-9]{3}-[0-9]{4}"
+
+
+# ---- helpers -------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=120, max_retries=0)
+
+
+def _generate(base: str, text: str, rid: str | None = None, **params) -> dict:
+    body = {"text": text, "sampling_params": params}
+    if rid is not None:
+        body["rid"] = rid
+    r = httpx.post(base + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _greedy_ids(base: str, rid_prefix: str | None = None) -> list[list[int]]:
+    """Output ids of PROMPTS, one request at a time (never batched together)."""
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        rid = f"{rid_prefix}-{i}" if rid_prefix else None
+        res = _generate(base, prompt, rid=rid, **GREEDY)
+        assert res["meta_info"]["finish_reason"]["type"] in ("length", "stop"), res
+        out.append(res["output_ids"])
+    return out
+
+
+def _batches(log_dir: str, rank: str) -> list[tuple[str, list[str]]]:
+    """(mode, rids) per complete line of ``batches_<rank>.log`` (a missing file: none)."""
+    path = os.path.join(log_dir, f"batches_{rank}.log")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = f.read().split("\n")[:-1]  # only complete lines: the rank may be writing
+    out = []
+    for line in lines:
+        _step, mode, rids = line.split(" ", 2)
+        out.append((mode, [r for r in rids.split(",") if r]))
+    return out
+
+
+def _rids_in(batches) -> set[str]:
+    return {rid for _mode, rids in batches for rid in rids}
+
+
+def _wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _server_info(base: str) -> dict:
+    return httpx.get(base + "/get_server_info", timeout=10).json()
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str, log_path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not _healthy(base):
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{_tail(log_path)}")
+        time.sleep(0.5)
+
+
+def _tail(log_path, n: int = 4000) -> str:
+    with open(log_path, "rb") as f:
+        return f.read().decode(errors="replace")[-n:]
+
+
+def _popen(cmd: list[str], log_path, env: dict | None = None) -> subprocess.Popen:
+    log = open(log_path, "wb")
+    try:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, **(env or {})})
+    finally:
+        log.close()  # the child has its own copy
+
+
+def _launch_cmd(model_dir: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "launch.py", "--max-total-tokens", "4096", "--port", str(port),
+            "--model-path", model_dir, "--served-model-name", "smollm2",
+            "--log-level", "warning", *extra]
+
+
+def _descendants(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(p: psutil.Process) -> bool:
+    """Running and not a zombie (is_running() also guards against a reused pid)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _title(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""
+
+
+def _stop(proc: subprocess.Popen, extra: list[psutil.Process] = ()) -> None:
+    """Take down a started server: its process group (SIGTERM, then SIGKILL), then any
+    recorded descendant that lives in another session (torchrun workers) and is left."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    for p in extra:
+        if _alive(p):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+# ---- fixtures ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tp1_ids(server) -> list[list[int]]:
+    """The reference: greedy ids of PROMPTS from the session's TP=1 server."""
+    return _greedy_ids(server)
+
+
+@pytest.fixture(scope="module")
+def tp2_server(tmp_path_factory, smollm2_dir):
+    """(base URL, batch-log dir) of a ``--tp-size 2`` server."""
+    log_dir = str(tmp_path_factory.mktemp("tp2_batches"))
+    for base in _launch_server(tmp_path_factory, smollm2_dir, ["--tp-size", "2"],
+                               env={"GRAMSYNC_BATCH_LOG_DIR": log_dir}):
+        yield base, log_dir
+
+
+@pytest.fixture(scope="module")
+def dp2_server(tmp_path_factory, smollm2_dir):
+    """(base URL, batch-log dir) of a ``--dp-size 2`` server (two TP=1 groups)."""
+    log_dir = str(tmp_path_factory.mktemp("dp2_batches"))
+    for base in _launch_server(tmp_path_factory, smollm2_dir, ["--dp-size", "2"],
+                               env={"GRAMSYNC_BATCH_LOG_DIR": log_dir}):
+        yield base, log_dir
+
+
+# ---- cheap unit tests ------------------------------------------------------------------
+def test_dp_dispatcher_round_robin():
+    from srt.managers.dp_dispatch import DPDispatcher
+
+    d = DPDispatcher(3)
+    assert [d.pick() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert d.in_flight == [3, 2, 2]
+    d.done(0)
+    d.done(2)
+    assert d.in_flight == [2, 2, 1]
+    assert d.pick() == 1  # round robin ignores the load
+
+
+def test_dp_dispatcher_shortest_queue():
+    from srt.managers.dp_dispatch import DPDispatcher
+
+    d = DPDispatcher(3, "shortest_queue")
+    assert [d.pick() for _ in range(3)] == [0, 1, 2]  # ties: the lowest group
+    assert d.pick() == 0 and d.in_flight == [2, 1, 1]
+    d.done(2)  # group 2 now has the fewest in flight
+    assert d.in_flight == [2, 1, 0] and d.pick() == 2 and d.in_flight == [2, 1, 1]
+    d.done(0)
+    d.done(0)
+    assert d.in_flight == [0, 1, 1] and d.pick() == 0 and d.pick() == 0
+    assert d.in_flight == [2, 1, 1] and d.pick() == 1 and d.in_flight == [2, 2, 1]
+    with pytest.raises(ValueError, match="Unknown load balance method 'fastest'"):
+        DPDispatcher(2, "fastest")
+
+
+def test_torchrun_world_must_match_flags(monkeypatch):
+    from srt.entrypoints.torchrun import torchrun_server_args
+    from srt.server_args import ServerArgs
+
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    args, rank = torchrun_server_args(ServerArgs(tp_size=2, dp_size=2))
+    assert (args.nnodes, args.node_rank, args.dist_init_addr) == (2, 1, "10.0.0.1:29500")
+    assert (rank.world_rank, rank.dp_rank, rank.tp_rank, rank.name) == (3, 1, 1, "DP1_TP1")
+    with pytest.raises(ValueError, match=r"torchrun started 4 processes but --tp-size 2 x "
+                                         r"--dp-size 1 = 2: they must match"):
+        torchrun_server_args(ServerArgs(tp_size=2))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags, message", [
+    (["--tp-size", "2", "--dp-size", "1", "--nnodes", "3", "--dist-init-addr", "127.0.0.1:1"],
+     "error: --tp-size x --dp-size (2 ranks) must split evenly over --nnodes 3"),
+    (["--tp-size", "2", "--nnodes", "2"],
+     "error: --nnodes > 1 needs --dist-init-addr host:port (node 0's address)"),
+    (["--tp-size", "0"], "error: --tp-size and --dp-size must be at least 1"),
+])
+def test_bad_parallel_layout_is_rejected(flags, message):
+    """ServerArgs validation in a real ``launch.py``: a clear message, a non-zero exit,
+    before any rank is started."""
+    proc = subprocess.run([sys.executable, "launch.py", "--port", str(_free_port()), *flags],
+                          cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---- TP=2 ------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_tp2_openai_client(tp2_server):
+    base, _ = tp2_server
+    client = _client(base)
+    chat = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say hello in one sentence."}],
+        max_tokens=16, temperature=0)
+    assert chat.choices[0].message.content.strip()
+    assert chat.usage.completion_tokens > 0
+    comp = client.completions.create(model="smollm2", prompt="The capital of France is",
+                                     max_tokens=8, temperature=0)
+    assert comp.choices[0].text.strip() and comp.choices[0].finish_reason == "length"
+
+    phone = client.completions.create(model="smollm2", prompt="My phone number is ",
+                                      max_tokens=16, temperature=0,
+                                      extra_body={"regex": PHONE_REGEX})
+    assert re.fullmatch(PHONE_REGEX, phone.choices[0].text), phone.choices[0].text
+    assert phone.choices[0].finish_reason == "stop"
+
+    person = client.chat.completions.create(
+        model="smollm2", max_tokens=64, temperature=0,
+        messages=[{"role": "user", "content": "Describe Alice, who is 30, as JSON."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "person", "schema": PERSON_SCHEMA}})
+    assert person.choices[0].finish_reason == "stop", person.choices[0].message.content
+    jsonschema.validate(json.loads(person.choices[0].message.content), PERSON_SCHEMA)
+
+
+@pytest.mark.timeout(240)
+def test_tp2_greedy_equals_tp1(tp2_server, tp1_ids):
+    base, log_dir = tp2_server
+    tp2_ids = _greedy_ids(base, rid_prefix="tp2-greedy")
+    for prompt, want, got in zip(PROMPTS, tp1_ids, tp2_ids):
+        assert got == want, f"TP=2 differs from TP=1 for {prompt!r}"
+    # Lock-step: both TP ranks ran the same batches (ranks may lag by a line or two).
+    _wait_until(lambda: (_batches(log_dir, "DP0_TP0") == _batches(log_dir, "DP0_TP1")
+                         and {f"tp2-greedy-{i}" for i in range(len(PROMPTS))}
+                         <= _rids_in(_batches(log_dir, "DP0_TP1"))),
+                10, "identical batch logs of DP0_TP0 and DP0_TP1")
+
+
+# ---- DP=2 ------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_dp2_spreads_requests_and_matches_tp1(dp2_server, tp1_ids):
+    base, log_dir = dp2_server
+    chat = _client(base).chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8,
+        temperature=0)
+    assert chat.choices[0].message.content.strip()
+
+    prefix = f"dp2-{uuid.uuid4().hex[:8]}"
+    dp_ids = _greedy_ids(base, rid_prefix=prefix)
+    for prompt, want, got in zip(PROMPTS, tp1_ids, dp_ids):
+        assert got == want, f"DP=2 differs from TP=1 for {prompt!r}"
+
+    mine = {f"{prefix}-{i}" for i in range(len(PROMPTS))}
+    groups = [_rids_in(_batches(log_dir, f"DP{d}_TP0")) & mine for d in (0, 1)]
+    # Sequential requests under round robin alternate groups: 3 and 3, never both.
+    assert len(groups[0]) == len(groups[1]) == len(PROMPTS) // 2, groups
+    assert groups[0] | groups[1] == mine and not groups[0] & groups[1]
+    assert not os.path.exists(os.path.join(log_dir, "batches_DP0_TP1.log"))  # TP=1 groups
+
+
+@pytest.mark.timeout(240)
+def test_dp2_abort_reaches_the_right_group(dp2_server):
+    base, log_dir = dp2_server
+    aborted_before = _server_info(base)["num_aborted_requests"]
+    rid = f"abort-{uuid.uuid4().hex[:8]}"
+    body = {"text": "Write a very long essay about the sea.", "stream": True, "rid": rid,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+    chunks = 0
+    with httpx.stream("POST", base + "/generate", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks += 1
+                if chunks == 3:
+                    break  # leaving the block closes the connection: the server aborts
+    assert chunks == 3
+    _wait_until(lambda: (_server_info(base)["num_aborted_requests"] > aborted_before
+                         and _server_info(base)["num_inflight_requests"] == 0),
+                20, "the frontend to abort the request")
+    assert _healthy(base)
+
+    # Round robin: two sequential requests land one on each group, after the abort.
+    after = [f"after-{rid}-{i}" for i in range(2)]
+    for a in after:
+        res = _generate(base, "Hi", rid=a, max_new_tokens=4, temperature=0)
+        assert res["meta_info"]["completion_tokens"] == 4
+
+    logs = {d: _batches(log_dir, f"DP{d}_TP0") for d in (0, 1)}
+    holders = [d for d in (0, 1) if rid in _rids_in(logs[d])]
+    assert len(holders) == 1, f"{rid} ran in groups {holders}"
+    group = logs[holders[0]]
+    runs = [rids for _mode, rids in group if rid in rids]
+    assert len(runs) < 200, f"{rid} ran {len(runs)} steps: the abort did not stop it"
+    later = [rids for _mode, rids in group if set(after) & set(rids)]
+    assert later, f"no follow-up request ran in group DP{holders[0]}"
+    assert all(rid not in rids for rids in later), f"{rid} still ran after the abort"
+
+
+# ---- torchrun --------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_torchrun_tp2_constrained_and_clean_stop(tmp_path, smollm2_dir):
+    port, master_port = _free_port(), _free_port()
+    log_path = tmp_path / "torchrun.log"
+    proc = _popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+                   *_launch_cmd(smollm2_dir, port, "--tp-size", "2")[1:]], log_path)
+    base = f"http://127.0.0.1:{port}"
+    seen: list[psutil.Process] = []
+    try:
+        _wait_healthy(proc, base, log_path)
+        seen = [p for p in _descendants(proc) if _title(p).startswith("gramsync::")]
+        titles = sorted(_title(p) for p in seen)
+        assert titles == ["gramsync::frontend", "gramsync::scheduler_DP0_TP0",
+                          "gramsync::scheduler_DP0_TP1"], titles
+
+        res = _generate(base, "My phone number is ", regex=PHONE_REGEX, max_new_tokens=16,
+                        temperature=0)
+        assert re.fullmatch(PHONE_REGEX, res["text"]), res["text"]
+        res = _generate(base, "Describe Alice, who is 30, as JSON:",
+                        json_schema=json.dumps(PERSON_SCHEMA), max_new_tokens=64, temperature=0)
+        assert res["meta_info"]["finish_reason"]["type"] == "stop", res
+        jsonschema.validate(json.loads(res["text"]), PERSON_SCHEMA)
+
+        proc.send_signal(signal.SIGTERM)  # stop torchrun itself, as a user or a job system
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"torchrun did not stop within 60 s of SIGTERM:\n{_tail(log_path)}")
+        _wait_until(lambda: not any(_alive(p) for p in seen), 15,
+                    "every gramsync:: process of torchrun to exit")
+        assert not _healthy(base)
+    finally:
+        _stop(proc, seen)
+
+
+# ---- a rank dies -----------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_killed_rank_stops_the_server(tmp_path, smollm2_dir):
+    watchdog_timeout = 20
+    port = _free_port()
+    log_path = tmp_path / "server.log"
+    proc = _popen(_launch_cmd(smollm2_dir, port, "--tp-size", "2",
+                              "--watchdog-timeout", str(watchdog_timeout)), log_path)
+    base = f"http://127.0.0.1:{port}"
+    group: list[psutil.Process] = []
+    try:
+        _wait_healthy(proc, base, log_path)
+        group = [psutil.Process(proc.pid), *_descendants(proc)]
+        victim = [p for p in group if _title(p) == "gramsync::scheduler_DP0_TP1"]
+        assert len(victim) == 1, [_title(p) for p in group]
+        assert _generate(base, "Hi", max_new_tokens=2, temperature=0)["meta_info"][
+            "completion_tokens"] == 2
+
+        t0 = time.monotonic()
+        victim[0].send_signal(signal.SIGKILL)
+        try:
+            code = proc.wait(watchdog_timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"server still running {watchdog_timeout} s after DP0_TP1 was killed:\n"
+                        f"{_tail(log_path)}")
+        elapsed = time.monotonic() - t0
+        log = _tail(log_path, 20000)
+        assert code != 0, log
+        assert f"scheduler rank DP0_TP1 (pid {victim[0].pid}) exited with code -9" in log, log
+        assert "the server stopped." in log, log
+        assert elapsed < watchdog_timeout
+        _wait_until(lambda: not any(_alive(p) for p in group), 10,
+                    "every process of the server to exit")
+    finally:
+        _stop(proc, group)
+
+
+# ---- a rank fails to start ---------------------------------------------------------------
+@pytest.mark.timeout(180)
+def test_startup_failure_names_the_rank(tmp_path, smollm2_dir):
+    """One rank (DP0_TP1) raises while building its scheduler: the launcher exits non-zero
+    with that rank's name and traceback, and takes the other ranks down."""
+    log_path = tmp_path / "server.log"
+    pythonpath = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
+    proc = _popen(_launch_cmd(smollm2_dir, _free_port(), "--tp-size", "2",
+                              "--grammar-backend-plugins", "fail_on_rank_plugin"),
+                  log_path, env={"PYTHONPATH": pythonpath, "GRAMSYNC_TEST_FAIL_RANK": "DP0_TP1"})
+    seen: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while proc.poll() is None:  # record the ranks while they live
+            for p in _descendants(proc):
+                seen.setdefault(p.pid, p)
+            if time.monotonic() > deadline:
+                pytest.fail(f"launcher still running after {STARTUP_TIMEOUT_S} s:\n{_tail(log_path)}")
+            time.sleep(0.2)
+        log = _tail(log_path, 50000)
+        assert proc.returncode != 0, log
+        assert "gramsync: scheduler DP0_TP1 failed to start:" in log, log
+        assert "Traceback" in log and "RuntimeError: injected start-up failure on DP0_TP1" in log
+        assert "DP0_TP0 failed to start" not in log
+        assert len(seen) >= 2, "the launcher started no ranks"
+        _wait_until(lambda: not any(_alive(p) for p in seen.values()), 10,
+                    "every rank of the failed launch to exit")
+    finally:
+        _stop(proc, list(seen.values()))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 def broadcast_pyobj(obj: Any, is_source: bool, src_world_rank: int, group) -> Any:
     """Return the source's ``obj`` on every rank of ``group`` (``obj`` is ignored elsewhere)."""
     if is_source:
-        payload = b"" if obj == [] else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = b"" if isinstance(obj, list) and not obj else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         size = torch.tensor([len(payload)], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)

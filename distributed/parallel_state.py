@@ -30,6 +30,9 @@ class RankInfo:
     def for_world_rank(cls, world_rank: int, tp_size: int, dp_size: int,
                        nnodes: int = 1) -> "RankInfo":
         world_size = tp_size * dp_size
+        if min(tp_size, dp_size, nnodes) < 1 or not 0 <= world_rank < world_size:
+            raise ValueError(f"no world rank {world_rank} with tp_size={tp_size}, "
+                             f"dp_size={dp_size}, nnodes={nnodes}")
         if world_size % nnodes:
             raise ValueError(f"tp_size x dp_size = {world_size} ranks cannot be split evenly "
                              f"over --nnodes {nnodes}")

@@ -67,11 +67,11 @@ GRAMSYNC_STARTUP_TIMEOUT = EnvVar(
 )
 SGLANG_GRAMMAR_POLL_INTERVAL = EnvVar(
     "SGLANG_GRAMMAR_POLL_INTERVAL", float, 0.005,
-    "Seconds each scheduler iteration waits for pending grammar compiles (per call, not per request).",
+    "Seconds an idle scheduler iteration waits for pending grammar compiles (with a batch to run it only checks).",
 )
 SGLANG_GRAMMAR_MAX_POLL_ITERATIONS = EnvVar(
     "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS", int, 10000,
-    "Scheduler iterations a request may wait for its grammar before it is aborted (400, timed out).",
+    "Scheduler iterations (busy or idle) a request may wait for its grammar before it is aborted (400, timed out).",
 )
 GRAMSYNC_BATCH_LOG_DIR = EnvVar(
     "GRAMSYNC_BATCH_LOG_DIR", str, "",

@@ -5,10 +5,12 @@ Every rank writes the batches it runs (GRAMSYNC_BATCH_LOG_DIR); the two ranks' l
 be identical line for line, whatever the compile skew, a compile that fails on one rank
 only, or a compile that exceeds the poll budget on one rank only.
 
-One module-scoped TP=2 server serves all tests (~40 s to start on 2 cores).
+One module-scoped TP=2 server serves all tests (~10-25 s to start on 2 cores; the whole
+file ~35-55 s).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -22,8 +24,10 @@ import pytest
 from conftest import _launch_server
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-MAX_POLLS = 400  # ~2-3 s of idle polling; >> the 0-300 ms skew even when busy
-REQUEST_TIMEOUT_S = 150
+# Polls advance once per scheduler iteration: ~5 ms idle, one decode step (30-100 ms) busy.
+# 400 >> the 0-300 ms skew; HANGONRANK1 times out after ~7-10 s with traffic (measured).
+MAX_POLLS = 400
+REQUEST_TIMEOUT_S = 60  # every request here takes < 15 s; bounds the cost of a hang
 TIMEOUT_MESSAGE = (f"Grammar preprocessing timed out: the regex grammar was not compiled within "
                    f"{MAX_POLLS} scheduler polls (SGLANG_GRAMMAR_MAX_POLL_ITERATIONS).")
 INJECTED = "rankskew injected compile failure on rank 1"
@@ -39,7 +43,8 @@ def skew_server(tmp_path_factory, smollm2_dir):
            "GRAMSYNC_BATCH_LOG_DIR": str(logs), "RANKSKEW_LOG_DIR": str(skew_logs),
            "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS": str(MAX_POLLS)}
     args = ["--tp-size", "2", "--grammar-backend-plugins", "rank_skew_grammar_plugin",
-            "--grammar-backend", "rankskew"]
+            "--grammar-backend", "rankskew",
+            "--constrained-json-max-whitespace", "2"]  # JSON outputs end within max_new_tokens
     for base in _launch_server(tmp_path_factory, smollm2_dir, args, env):
         with httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT_S,
                           limits=httpx.Limits(max_connections=32)) as client:
@@ -131,13 +136,13 @@ def _regex_body(rid: str, regex: str, **sp) -> dict:
 
 
 # ---- the mixed workload of test 1 ------------------------------------------------------
-def _mixed_requests(n: int) -> list[tuple[dict, str, object]]:
+def _mixed_requests(n: int, start: int = 0, tag: str = "t1") -> list[tuple[dict, str, object]]:
     """(body, kind, check) for ``n`` requests: unconstrained, regex, json_schema, choice
     and ebnf, every spec unique (no cache hit skips a compile), some streamed, some sampled
     at temperature 0.8 with a seed, varied max_new_tokens."""
     kinds = ["plain", "regex", "json_schema", "choice", "ebnf", "regex", "plain", "json_schema"]
     out = []
-    for i in range(n):
+    for i in range(start, start + n):
         kind = kinds[i % len(kinds)]
         sp: dict = {"temperature": 0}
         if i % 3 == 1:
@@ -163,7 +168,7 @@ def _mixed_requests(n: int) -> list[tuple[dict, str, object]]:
         elif kind == "ebnf":
             sp.update(ebnf=f'root ::= ("yes" | "no" | "e{i}q") "-" [0-9]', max_new_tokens=16)
             check = ("regex", rf"(yes|no|e{i}q)-[0-9]")
-        body = {"text": PROMPTS[i % len(PROMPTS)], "rid": _rid(f"t1-{kind}-{i}"),
+        body = {"text": PROMPTS[i % len(PROMPTS)], "rid": _rid(f"{tag}-{kind}-{i}"),
                 "sampling_params": sp, "stream": i % 5 == 2}
         out.append((body, kind, check))
     return out
@@ -187,10 +192,17 @@ def _check_output(out: dict, check) -> None:
 
 
 # ---- tests -----------------------------------------------------------------------------
-@pytest.mark.timeout(330)  # includes starting the module's server (~40 s, up to 150 s)
+@pytest.mark.timeout(330)  # includes starting the module's server (~20-40 s, up to 150 s)
 def test_lock_step_under_compile_skew(skew_server):
+    """56 mixed requests, 12 in flight, while rank 1 compiles every grammar 0-300 ms later
+    than rank 0 (and two grammars 1 s later on rank 0): all complete with valid outputs and
+    both ranks run exactly the same batches."""
     client, logs, skew_logs = skew_server
+    skew_lines = [len(_read_log(skew_logs / f"rankskew_rank{r}.log")) for r in (0, 1)]
     reqs = _mixed_requests(56)
+    slow0 = [f"(SLOWRANK0x{i}{uuid.uuid4().hex[:4]}|[0-9]{{2}})" for i in (0, 1)]
+    for i, regex in enumerate(slow0):  # ready on rank 1 long before rank 0
+        reqs.append((_regex_body(_rid(f"t1-slow0-{i}"), regex), "regex", ("regex", regex)))
     results = _send_all(client, [b for b, _, _ in reqs])
     for (body, kind, check), (status, out) in zip(reqs, results):
         assert status == 200, (body, out)
@@ -208,90 +220,112 @@ def test_lock_step_under_compile_skew(skew_server):
     assert any(set(rids) - constrained for _, rids in with_grammar), \
         "no batch mixed constrained and unconstrained requests"
 
-    # The skew was real: rank 1 compiled every spec too, and often finished well after rank 0.
+    # The skew was real: both ranks compiled every spec, rank 1 often well after rank 0.
     done = []
     for r in (0, 1):
-        lines = [ln.split() for ln in _read_log(skew_logs / f"rankskew_rank{r}.log")]
+        lines = [ln.split() for ln in _read_log(skew_logs / f"rankskew_rank{r}.log")[skew_lines[r]:]]
         done.append({digest: float(t) for t, _, outcome, digest in lines if outcome == "ok"})
-    assert len(done[0]) >= len(constrained) and done[0].keys() == done[1].keys()
+    assert len(done[0]) == len(constrained) and done[0].keys() == done[1].keys()
     later = sum(done[1][k] - done[0][k] > 0.05 for k in done[0])
     assert later >= 5, f"rank 1 finished only {later} compiles >50 ms after rank 0: no real skew"
+    for regex in slow0:
+        k = hashlib.sha1(regex.encode()).hexdigest()[:12]
+        assert done[0][k] - done[1][k] > 0.5, f"{regex} did not finish on rank 1 first"
 
 
 @pytest.mark.timeout(120)
 def test_compile_fails_on_one_rank_only(skew_server):
     """FAILONRANK1 compiles on rank 0 and raises on rank 1: the union of failures wins, the
-    request is a 400 with rank 1's reason, never batched on either rank, and the agreed
-    failure is cached identically (a resend is the same 400)."""
+    request is a 400 with rank 1's reason, never batched on either rank, concurrent
+    requests complete, and the agreed failure is cached on both ranks (a resend is the
+    same 400)."""
     client, logs, _ = skew_server
-    failing = {  # rid -> (body, kind)
-        _rid("t2-fail-regex"): ("regex", f"(FAILONRANK1|[a-z]{{3}}|f{uuid.uuid4().hex[:6]})"),
-        # rank 0 is the slow one here: rank 1's failure is known first
-        _rid("t2-fail-slow0"): ("regex", f"(FAILONRANK1SLOWRANK0|[0-9]{{2}}|f{uuid.uuid4().hex[:6]})"),
-        _rid("t2-fail-json"): ("json_schema", json.dumps(
-            {"type": "object", "description": f"FAILONRANK1 {uuid.uuid4().hex[:6]}",
-             "properties": {"a": {"type": "integer"}}, "required": ["a"]})),
-    }
-    bodies = [{"text": "Write a number:", "rid": rid,
+    nonce = uuid.uuid4().hex[:6]
+    failing = [  # (rid, kind, spec, stream)
+        (_rid("t2-fail-regex"), "regex", f"(FAILONRANK1|[a-z]{{3}}|f{nonce})", False),
+        # the same spec concurrently: shares the in-flight compile (or hits the cached failure)
+        (_rid("t2-fail-regex-dup"), "regex", f"(FAILONRANK1|[a-z]{{3}}|f{nonce})", False),
+        # rank 0 is the slow one here: rank 1's failure is known while rank 0 still compiles
+        (_rid("t2-fail-slow0"), "regex", f"(FAILONRANK1SLOWRANK0|[0-9]{{2}}|f{nonce})", False),
+        (_rid("t2-fail-json"), "json_schema", json.dumps(
+            {"type": "object", "description": f"FAILONRANK1 {nonce}",
+             "properties": {"a": {"type": "integer"}}, "required": ["a"]}), False),
+        (_rid("t2-fail-ebnf-stream"), "ebnf", f'root ::= "FAILONRANK1" | "s{nonce}" [0-9]', True),
+    ]
+    bodies = [{"text": "Write a number:", "rid": rid, "stream": stream,
                "sampling_params": {kind: spec, "max_new_tokens": 16, "temperature": 0}}
-              for rid, (kind, spec) in failing.items()]
-    normal = [b for b, _, _ in _mixed_requests(10)]
-    for b in normal:
-        b["rid"] = b["rid"].replace("t1-", "t2-")
-    results = _send_all(client, bodies + normal)
+              for rid, kind, spec, stream in failing]
+    normal = _mixed_requests(10, start=100, tag="t2")
+    results = _send_all(client, bodies + [b for b, _, _ in normal])
 
-    messages = {}
-    for body, (status, out) in zip(bodies, results[:len(bodies)]):
-        kind = failing[body["rid"]][0]
-        assert status == 400, (body, out)
-        message = out["error"]["message"]
-        assert message == f"Failed to compile {kind} grammar: {INJECTED}", message
-        messages[body["rid"]] = message
-    for body, (status, out) in zip(normal, results[len(bodies):]):
+    def assert_failed(body, kind, status, out):
+        expected = f"Failed to compile {kind} grammar: {INJECTED}"
+        if body["stream"]:  # the stream has begun (200): its last chunk carries the abort
+            assert status == 200 and out["meta_info"]["finish_reason"] == {
+                "type": "abort", "message": expected, "status_code": 400}, out
+        else:
+            assert status == 400 and out["error"]["message"] == expected, (body, out)
+
+    for (_, kind, _, _), body, (status, out) in zip(failing, bodies, results):
+        assert_failed(body, kind, status, out)
+    for (body, _, check), (status, out) in zip(normal, results[len(bodies):]):
         assert status == 200, (body, out)
-        assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length"), out
-    # The agreed failure is in both ranks' negative cache: the same spec fails again, at once.
+        _check_output(out, check)
+    # The agreed failure is in both ranks' negative cache: the same spec fails again.
     again = [dict(b, rid=b["rid"] + "-again") for b in bodies]
-    for body, (status, out) in zip(again, _send_all(client, again)):
-        assert status == 400 and out["error"]["message"] == messages[body["rid"][:-len("-again")]], out
+    for (_, kind, _, _), body, (status, out) in zip(failing, again, _send_all(client, again)):
+        assert_failed(body, kind, status, out)
     _assert_settled(client)
 
     logged = _logged_rids(_identical_batch_logs(logs))
     assert not {b["rid"] for b in bodies + again} & logged, "a failed request was batched"
-    assert {b["rid"] for b in normal} <= logged
+    assert {b["rid"] for b, _, _ in normal} <= logged
 
 
 @pytest.mark.timeout(120)
 def test_compile_exceeds_poll_budget_on_one_rank_only(skew_server):
     """HANGONRANK1 compiles on rank 0 but blocks on rank 1 past SGLANG_GRAMMAR_MAX_POLL_ITERATIONS:
-    a 400 with the timeout message, other requests complete, nothing hangs. The timeout is
-    not cached: once rank 1 can compile it, the same spec is served."""
+    a 400 with the timeout message (for both requests sharing the spec), a third one that
+    the client abandons meanwhile is aborted on both ranks, other requests complete,
+    nothing hangs. The timeout is not cached: once rank 1 can compile the spec,
+    it is served."""
     client, logs, _ = skew_server
     hang_regex = f"(HANGONRANK1|[0-9]{{3}}|h{uuid.uuid4().hex[:6]})"
-    hang = _regex_body(_rid("t3-hang"), hang_regex)
-    normal = [b for b, _, _ in _mixed_requests(8)]
-    for b in normal:
-        b["rid"] = b["rid"].replace("t1-", "t3-")
-    start = time.monotonic()
-    results = _send_all(client, [hang] + normal)
-    elapsed = time.monotonic() - start
-    status, out = results[0]
-    assert status == 400, out
-    assert out["error"]["message"] == TIMEOUT_MESSAGE
-    assert elapsed < 60, f"the timed-out request took {elapsed:.1f} s"
-    for body, (status, out) in zip(normal, results[1:]):
+    hangs = [_regex_body(_rid("t3-hang"), hang_regex), _regex_body(_rid("t3-hang-dup"), hang_regex)]
+    normal = _mixed_requests(8, start=200, tag="t3")
+
+    abandoned = _regex_body(_rid("t3-hang-abandoned"), hang_regex)
+    aborted_before = client.get("/get_server_info").json()["num_aborted_requests"]
+
+    def timed(body):
+        start = time.monotonic()
+        return (*_send(client, body), time.monotonic() - start)
+
+    def abandon(body):  # the client gives up while the grammar is still queued: an abort
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/generate", json=body, timeout=1.0)
+
+    with ThreadPoolExecutor(12) as pool:
+        gone = pool.submit(abandon, abandoned)
+        results = list(pool.map(timed, hangs + [b for b, _, _ in normal]))
+        gone.result()
+    for body, (status, out, elapsed) in zip(hangs, results):
+        assert status == 400 and out["error"]["message"] == TIMEOUT_MESSAGE, (body, out)
+        assert elapsed < 60, f"the timed-out request took {elapsed:.1f} s"
+    for (body, _, check), (status, out, _) in zip(normal, results[len(hangs):]):
         assert status == 200, (body, out)
-        assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length"), out
+        _check_output(out, check)
 
     # Unblock rank 1's compile thread; then the same spec compiles on both ranks.
-    status, out = _send(client, _regex_body(_rid("t3-release"), f"(RELEASEHANG|[0-9]{{2}})"))
-    assert status == 200 and re.fullmatch(r"(RELEASEHANG|[0-9]{2})", out["text"]), out
+    release = r"(RELEASEHANG|[0-9]{2})"
+    status, out = _send(client, _regex_body(_rid("t3-release"), release))
+    assert status == 200 and re.fullmatch(release, out["text"]), out
     retry = _regex_body(_rid("t3-retry"), hang_regex)
     status, out = _send(client, retry)
-    assert status == 200, out
-    assert re.fullmatch(hang_regex, out["text"]), out
+    assert status == 200 and re.fullmatch(hang_regex, out["text"]), out
     _assert_settled(client)
+    assert client.get("/get_server_info").json()["num_aborted_requests"] == aborted_before + 1
 
     logged = _logged_rids(_identical_batch_logs(logs))
-    assert hang["rid"] not in logged, "the timed-out request was batched"
-    assert {b["rid"] for b in normal} | {retry["rid"]} <= logged
+    assert not {b["rid"] for b in hangs + [abandoned]} & logged, "a timed-out or aborted request was batched"
+    assert {b["rid"] for b, _, _ in normal} | {retry["rid"]} <= logged

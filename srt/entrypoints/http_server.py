@@ -6,9 +6,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
-import signal
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -117,12 +114,6 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
     return app
 
 
-def _stop_server(message: str) -> None:
-    """A dead scheduler means no request can finish: stop serving (SGLang does too)."""
-    logger.error("%s; shutting the server down.", message)
-    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown -> serve()'s finally
-
-
 def launch_server(server_args) -> None:
     """Node 0 without torchrun: start the scheduler ranks, then serve HTTP until stopped."""
     from srt.entrypoints.launcher import launch_schedulers, new_port_args, prepare_server_args
@@ -151,21 +142,24 @@ def serve(server_args, port_args, handles) -> None:
 
     tm = None
     failure: list[str] = []
-
-    def on_rank_death(message: str) -> None:
-        failure.append(message)
-        _stop_server(message)
-
     try:
         tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path,
                                   server_args.chat_template)
         tm = TokenizerManager(server_args, port_args, handles.info, tokenizer, handles.input_addrs)
         tm.scheduler_alive = handles.alive
-        app = create_app(tm, server_args)
+        server = uvicorn.Server(uvicorn.Config(
+            create_app(tm, server_args), host=server_args.host, port=server_args.port,
+            log_level=server_args.log_level, timeout_keep_alive=5, timeout_graceful_shutdown=5))
+
+        def on_rank_death(message: str) -> None:
+            # A dead rank means no request can finish: stop serving (SGLang does too).
+            # should_exit, not a signal: uvicorn re-raises signals after shutting down.
+            logger.error("%s; shutting the server down.", message)
+            failure.append(message)
+            server.should_exit = True
+
         handles.watch(on_rank_death)
-        uvicorn.run(app, host=server_args.host, port=server_args.port,
-                    log_level=server_args.log_level, timeout_keep_alive=5,
-                    timeout_graceful_shutdown=5)
+        server.run()
     finally:
         handles.shutdown()
         if tm is not None:

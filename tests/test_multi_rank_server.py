@@ -97,6 +97,8 @@ def _batches(log_dir: str, rank: str) -> list[tuple[str, list[str]]]:
     out = []
     for line in lines:
         _step, mode, rids = line.split(" ", 2)
+        if mode == "AGREE":  # token agreement record, not a batch
+            continue
         out.append((mode, [r for r in rids.split(",") if r]))
     return out
 

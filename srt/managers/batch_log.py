@@ -1,7 +1,9 @@
 """Optional per-rank record of every batch a scheduler runs (GRAMSYNC_BATCH_LOG_DIR).
 
 One line per batch: ``<step> <mode> <rid>,<rid>,...``, written to
-``<dir>/batches_DP{d}_TP{t}.log``. The ranks of a TP group must write identical files:
+``<dir>/batches_DP{d}_TP{t}.log``; after a batch whose sampled ids went through the token
+agreement (TP > 1, grammars in the batch), a line ``<step> AGREE <mismatches>``: how many
+of this rank's own samples differed from the agreed ids (expected: always 0). The ranks of a TP group must write identical files:
 comparing them is how lock-step is checked (the multi-rank tests do) and how a
 divergence is found in production.
 """
@@ -32,3 +34,7 @@ class BatchLog:
         if self._file is not None:
             self._file.write(f"{self._step} {mode} {','.join(rids)}\n")
             self._step += 1
+
+    def record_agreement(self, mismatches: int) -> None:
+        if self._file is not None:
+            self._file.write(f"{self._step - 1} AGREE {mismatches}\n")

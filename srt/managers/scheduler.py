@@ -226,6 +226,7 @@ class Scheduler:
             # Same decision on every rank (identical batch): grammars must see one token.
             next_ids, mismatches = agree_on_sampled_ids(next_ids, self.tp)
             self.token_agreement_steps += 1
+            self.batch_log.record_agreement(mismatches)
             if mismatches:
                 self.token_mismatches += mismatches
                 logger.warning("%s %d sampled token(s) differed from the TP group's agreed ids",

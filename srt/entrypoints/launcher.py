@@ -61,7 +61,7 @@ class SchedulerHandles:
     procs: list[mp.Process]
     info: Optional[SchedulerInfo] = None
     input_addrs: tuple[str, ...] = ()
-    extra_alive: Optional[Callable[[], Optional[str]]] = None  # e.g. torchrun: parent rank gone
+    extra_check: Optional[Callable[[], Optional[str]]] = None  # e.g. torchrun: parent rank gone
     _stopping: threading.Event = field(default_factory=threading.Event)
 
     def dead_rank(self) -> Optional[str]:
@@ -69,7 +69,7 @@ class SchedulerHandles:
         for p in self.procs:
             if not p.is_alive():
                 return f"scheduler rank {p.name} (pid {p.pid}) exited with code {p.exitcode}"
-        return self.extra_alive() if self.extra_alive else None
+        return self.extra_check() if self.extra_check else None
 
     def alive(self) -> bool:
         return self.dead_rank() is None

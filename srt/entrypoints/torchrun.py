@@ -95,7 +95,7 @@ def run_frontend(server_args: ServerArgs, port_args, parent_pid: int) -> None:
             return "scheduler rank DP0_TP0 (the frontend's parent, torchrun rank 0) exited"
         return None
 
-    handles = SchedulerHandles([], extra_alive=parent_gone)
+    handles = SchedulerHandles([], extra_check=parent_gone)
     ctx = zmq.Context()
     ready = bind_ready_socket(ctx, port_args)
     try:

@@ -68,9 +68,9 @@ class OutputSender:
             self.sock.send_pyobj(out)
 
 
-def reachable_ip(peer: str = "8.8.8.8") -> str:
-    """This host's address on the interface that routes to ``peer`` (a UDP "connect" sends
-    nothing); falls back to the hostname's address."""
+def reachable_ip(peer: str) -> str:
+    """This host's address on the interface that routes to ``peer`` (node 0; a UDP
+    "connect" only picks the route and sends nothing); falls back to the hostname's."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((peer, 1))

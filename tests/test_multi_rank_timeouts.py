@@ -1,0 +1,54 @@
+"""Wall-clock timeouts at TP=2 behave as at TP=1: the entry rank decides them and
+broadcasts them as aborts, so both ranks drop the request in the same step."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import time
+
+import httpx
+import pytest
+
+from conftest import _launch_server
+
+
+@pytest.fixture(scope="module")
+def timeout_server(tmp_path_factory, smollm2_dir):
+    log_dir = str(tmp_path_factory.mktemp("batches"))
+    env = {"SGLANG_REQ_RUNNING_TIMEOUT": "3", "GRAMSYNC_BATCH_LOG_DIR": log_dir}
+    for base in _launch_server(tmp_path_factory, smollm2_dir, ["--tp-size", "2"], env):
+        yield base, log_dir
+
+
+def _lines(log_dir: str, rank: str) -> list[str]:
+    with open(os.path.join(log_dir, f"batches_{rank}.log")) as f:
+        return f.read().split("\n")[:-1]
+
+
+@pytest.mark.timeout(240)
+def test_running_timeout_aborts_on_every_rank(timeout_server):
+    base, log_dir = timeout_server
+
+    def generate(rid: str, max_new_tokens: int) -> httpx.Response:
+        body = {"rid": rid, "text": "Tell me a long story.",
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                    "ignore_eos": True}}
+        return httpx.post(base + "/generate", json=body, timeout=120)
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        long = pool.submit(generate, "too-long", 4000)
+        short = [pool.submit(generate, f"short-{i}", 4) for i in range(2)]
+        results = [f.result() for f in short]
+        aborted = long.result()
+    assert all(r.status_code == 200 for r in results), [r.text for r in results]
+    assert aborted.status_code == 503, aborted.text
+    assert "SGLANG_REQ_RUNNING_TIMEOUT" in aborted.json()["error"]["message"], aborted.text
+    deadline = time.monotonic() + 15  # a rank may still be writing its last line
+    while True:
+        tp0, tp1 = _lines(log_dir, "DP0_TP0"), _lines(log_dir, "DP0_TP1")
+        if tp0 == tp1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert tp0 and tp0 == tp1, "the ranks ran different batches"
+    # It ran for a while (3 s of decode steps) and then left both ranks' batches together.
+    assert sum("too-long" in line for line in tp0) > 3

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from process_helpers import stop_process_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_STARTUP_TIMEOUT_S = 150  # under the per-test timeouts (fixture setup counts)
@@ -69,16 +70,7 @@ def _launch_server(tmp_path_factory, model_dir: str, extra_args: list[str], env:
             time.sleep(0.5)
         yield base
     finally:  # always take the whole process group down (frontend + scheduler ranks)
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_process_group(proc)
         log.close()
 
 

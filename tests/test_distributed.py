@@ -327,45 +327,11 @@ def test_padded_heads_smollm2_shape(tp, expected):
     assert cfg.num_kv_heads_per_rank(tp) * tp >= kv
 
 
-class _Harness:
-    """Allocate KV slots and build ForwardBatches by hand (after test_model_parity._Runner),
-    with the per-rank KV head count of a TP-sharded model."""
+def _Harness(model, cfg, tp_size: int, n_seqs: int):
+    """test_model_parity's hand-built runner, with this rank's KV head count."""
+    from test_model_parity import _Runner
 
-    def __init__(self, model, cfg, tp_size: int, n_seqs: int, max_ctx: int = 64):
-        from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
-
-        self.model = model
-        self.req_pool = ReqToTokenPool(n_seqs + 2, max_ctx, "cpu")
-        self.kv_alloc = TokenToKVPoolAllocator(n_seqs * max_ctx, "cpu")
-        self.kv_pool = MHATokenToKVPool(n_seqs * max_ctx, cfg.num_hidden_layers,
-                                        cfg.num_kv_heads_per_rank(tp_size), cfg.head_dim,
-                                        torch.float32, "cpu")
-        self.kv_pool.k_buffer[0][:, 0] = float("nan")  # the dummy slot must never be read
-        self.rows = [self.req_pool.alloc() for _ in range(n_seqs)]
-        self.lens = [0] * n_seqs
-
-    def step(self, mode, new_tokens: list[list[int]]) -> torch.Tensor:
-        from srt.forward_batch import ForwardBatch
-
-        ids, pos, locs = [], [], []
-        for sid, toks in enumerate(new_tokens):
-            slots = self.kv_alloc.alloc(len(toks))
-            start = self.lens[sid]
-            self.req_pool.req_to_token[self.rows[sid], start:start + len(toks)] = slots
-            ids += toks
-            pos += range(start, start + len(toks))
-            locs.append(slots)
-        prefix = list(self.lens)
-        for sid, toks in enumerate(new_tokens):
-            self.lens[sid] += len(toks)
-        fb = ForwardBatch(
-            mode=mode, input_ids=torch.tensor(ids), positions=torch.tensor(pos),
-            out_cache_loc=torch.cat(locs), req_pool_indices=torch.tensor(self.rows),
-            seq_lens=torch.tensor(self.lens), seq_lens_cpu=list(self.lens),
-            extend_seq_lens_cpu=[len(t) for t in new_tokens], extend_prefix_lens_cpu=prefix,
-            req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
-            return_all_logits=True)
-        return self.model(fb)
+    return _Runner(model, cfg, n_seqs, max_ctx=64, tp_size=tp_size)
 
 
 PROMPTS = [[5, 17, 230, 4, 99, 150, 7, 8, 260], [1], [42, 43, 44, 45]]
@@ -380,11 +346,12 @@ def _run_tiny(model_dir: str, tp: TPGroup) -> list:
     cfg = ModelConfig.from_path(model_dir)
     model = load_model(cfg, tp, torch.float32, "cpu")
     h = _Harness(model, cfg, tp.size, len(PROMPTS))
-    out = [h.step(ForwardMode.EXTEND, PROMPTS)]
+    seqs = list(range(len(PROMPTS)))
+    out = [h.step(ForwardMode.EXTEND, PROMPTS, seqs)]
     last = out[0][torch.tensor([len(p) for p in PROMPTS]).cumsum(0) - 1]
     for _ in range(2):
         nxt = last.argmax(-1).tolist()
-        last = h.step(ForwardMode.DECODE, [[t] for t in nxt])
+        last = h.step(ForwardMode.DECODE, [[t] for t in nxt], seqs)
         out.append(last)
     # Model internals worth checking: the padded shapes this rank was built with.
     attn = model.model.layers[0].self_attn

@@ -26,12 +26,13 @@ DECODE_STEPS = 3
 # -- a minimal "scheduler": allocate KV slots and build ForwardBatches by hand ---------------
 class _Runner:
     def __init__(self, model, cfg: ModelConfig, n_seqs: int, max_ctx: int = 128,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, tp_size: int = 1):
         self.model = model
         self.req_pool = ReqToTokenPool(n_seqs + 2, max_ctx, "cpu")
         self.kv_alloc = TokenToKVPoolAllocator(n_seqs * max_ctx, "cpu")
+        # KV heads this rank stores (padded / sharded at TP > 1; the model's at TP=1).
         self.kv_pool = MHATokenToKVPool(n_seqs * max_ctx, cfg.num_hidden_layers,
-                                        cfg.num_key_value_heads, cfg.head_dim, dtype, "cpu")
+                                        cfg.num_kv_heads_per_rank(tp_size), cfg.head_dim, dtype, "cpu")
         self.kv_pool.k_buffer[0][:, 0] = float("nan")  # poison the dummy slot: must never be read
         self.rows = [self.req_pool.alloc() for _ in range(n_seqs)]
         self.lens = [0] * n_seqs

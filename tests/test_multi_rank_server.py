@@ -31,6 +31,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, _launch_server
+from process_helpers import stop_process_group
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 STARTUP_TIMEOUT_S = 150
@@ -184,16 +185,7 @@ def _title(p: psutil.Process) -> str:
 def _stop(proc: subprocess.Popen, extra: list[psutil.Process] = ()) -> None:
     """Take down a started server: its process group (SIGTERM, then SIGKILL), then any
     recorded descendant that lives in another session (torchrun workers) and is left."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
+    stop_process_group(proc)
     for p in extra:
         if _alive(p):
             try:

@@ -1,0 +1,21 @@
+"""Process clean-up shared by the tests that start servers."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+
+def stop_process_group(proc: subprocess.Popen, term_wait: float = 15, kill_wait: float = 5) -> None:
+    """SIGTERM the process group started with ``start_new_session=True``, then SIGKILL it
+    if it is still there: the frontend and every scheduler rank go down together."""
+    for sig, wait in ((signal.SIGTERM, term_wait), (signal.SIGKILL, kill_wait)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

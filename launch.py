@@ -61,14 +61,22 @@ def main(argv: list[str] | None = None) -> None:
 
         from srt.entrypoints.launcher import prepare_server_args, run_worker_node
 
+        from srt.security.cluster_secret import ClusterSecretError, require_secret
+
+        try:
+            require_secret(server_args.cluster_secret_file)
+        except ClusterSecretError as e:
+            sys.exit(f"error: {e}")
         setproctitle.setproctitle(f"gramsync::node{server_args.node_rank}")
         logging.basicConfig(level=server_args.log_level.upper(), format=(
             f"[%(asctime)s node{server_args.node_rank}] %(levelname)s %(name)s: %(message)s"))
         sys.exit(run_worker_node(prepare_server_args(server_args)))
     else:
+        from srt.security.cluster_secret import ClusterSecretError
+
         try:
             launch_server(server_args)
-        except RuntimeError as e:  # a rank failed to start: its name and reason
+        except (RuntimeError, ClusterSecretError) as e:  # e.g. a rank failed to start: its name and reason
             sys.exit(f"gramsync: {e}")
 
 

@@ -19,6 +19,7 @@ from typing import Optional, Union
 import torch
 
 from constrained.bitmask_ops import allocate_token_bitmask, apply_token_bitmask_inplace
+from constrained.schema_refs import check_no_external_refs
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,8 @@ class BaseGrammarBackend:
     # ---- compiling --------------------------------------------------------------------
     def dispatch(self, key: GrammarKey) -> BaseGrammarObject:
         kind, spec = key
+        if kind in ("json_schema", "structural_tag"):
+            check_no_external_refs(spec, kind)  # never fetch: see schema_refs.py
         method = getattr(self, f"dispatch_{kind}", None)
         if method is None:
             raise ValueError(f"the {self.name} grammar backend does not support {kind} constraints")

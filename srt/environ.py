@@ -83,6 +83,19 @@ GRAMSYNC_HOST_IP = EnvVar(
     "Multi-node: the address of this node that the frontend uses to reach its entry ranks "
     "(default: the interface that routes to --dist-init-addr / MASTER_ADDR).",
 )
+GRAMSYNC_API_KEY = EnvVar(
+    "GRAMSYNC_API_KEY", str, "",
+    "API key every HTTP endpoint but /health requires, when --api-key is not given.",
+)
+GRAMSYNC_ADMIN_API_KEY = EnvVar(
+    "GRAMSYNC_ADMIN_API_KEY", str, "",
+    "Key for the admin endpoints, when --admin-api-key is not given.",
+)
+GRAMSYNC_CLUSTER_SECRET = EnvVar(
+    "GRAMSYNC_CLUSTER_SECRET", str, "",
+    "Multi-node: the secret every node shares (at least 32 characters), when "
+    "--cluster-secret-file is not given; only its holders can use the cluster's ZMQ sockets.",
+)
 
 ALL_ENV_VARS: tuple[EnvVar, ...] = (
     SGLANG_REQ_WAITING_TIMEOUT,
@@ -95,6 +108,9 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     SGLANG_GRAMMAR_MAX_POLL_ITERATIONS,
     GRAMSYNC_BATCH_LOG_DIR,
     GRAMSYNC_HOST_IP,
+    GRAMSYNC_API_KEY,
+    GRAMSYNC_ADMIN_API_KEY,
+    GRAMSYNC_CLUSTER_SECRET,
 )
 
 

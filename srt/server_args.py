@@ -26,6 +26,11 @@ class ServerArgs:
     # HTTP
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
+    # Security (README "Security")
+    api_key: Optional[str] = _f(None, "Every endpoint but /health needs 'Authorization: Bearer <key>' (default: $GRAMSYNC_API_KEY; unset: no key).")
+    admin_api_key: Optional[str] = _f(None, "Key for the admin endpoints (/abort_request, /get_server_info); the --api-key does not grant them (default: $GRAMSYNC_ADMIN_API_KEY; unset: --api-key guards them).")
+    max_request_bytes: int = _f(32 * 1024 * 1024, "Largest HTTP request body accepted (413 past it).")
+    cluster_secret_file: Optional[str] = _f(None, "Multi-node: file holding the secret every node shares; only holders can use the cluster sockets (default: $GRAMSYNC_CLUSTER_SECRET; node 0 generates and prints one if neither is set).")
     # Memory and scheduling
     max_total_tokens: Optional[int] = _f(None, "KV-cache pool size in tokens (default: from --mem-fraction-static).")
     mem_fraction_static: Optional[float] = _f(None, "Fraction of free memory for the KV cache (default: 0.85 on CUDA, 0.1 of RAM on CPU).")
@@ -72,6 +77,8 @@ class ServerArgs:
                 raise ValueError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}")
         if self.dist_timeout <= 0 or self.watchdog_timeout < 0:
             raise ValueError("--dist-timeout must be positive and --watchdog-timeout at least 0")
+        if self.max_request_bytes < 1024:
+            raise ValueError("--max-request-bytes must be at least 1024")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be at least 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:

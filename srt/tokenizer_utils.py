@@ -61,3 +61,11 @@ def apply_chat_template(
     if out and isinstance(out[0], (list, tuple)):
         out = out[0]
     return [int(t) for t in out]
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """An upper bound on the characters one token stands for: the longest vocabulary
+    entry (byte-level entries have one character per byte, at least one per text
+    character). A text longer than context x this cannot fit, whatever it says."""
+    vocab = tokenizer.get_vocab()
+    return max(1, max((len(t) for t in vocab), default=1))

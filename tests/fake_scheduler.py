@@ -1,6 +1,6 @@
 """A FAKE scheduler endpoint, standing in for the real one ONLY in frontend unit tests.
 
-It speaks the real ZMQ protocol (io_struct messages, same socket roles as the entry
+It speaks the real ZMQ protocol (io_struct messages in the real wire codec, same socket roles as the entry
 rank: bind PULL on scheduler_input_ipc, connect PUSH to frontend_input_ipc) but runs no
 model: each request "generates" a fixed token script, one token per step. It honours
 max_new_tokens, stop strings, stop_token_ids / EOS and aborts like the real scheduler
@@ -16,7 +16,7 @@ import time
 import zmq
 
 from srt.managers.io_struct import (
-    AbortReq, BatchTokenOut, FinishReason, PortArgs, SchedulerInfo, TokenizedGenerateReq,
+    FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, AbortReq, BatchTokenOut, FinishReason, PortArgs, SchedulerInfo, TokenizedGenerateReq,
 )
 
 
@@ -58,7 +58,7 @@ class FakeScheduler:
         try:
             while not self._stop.is_set():
                 while pull.poll(0 if running else 10):
-                    msg = pull.recv_pyobj()
+                    msg = SCHEDULER_INPUT_CODEC.decode(pull.recv())
                     self.received.append(msg)
                     if isinstance(msg, TokenizedGenerateReq):
                         running[msg.rid] = {"req": msg, "out": [], "sent": 0}
@@ -107,4 +107,5 @@ class FakeScheduler:
             if reason is not None:
                 del running[rid]
         if rids:
-            push.send_pyobj(BatchTokenOut(tuple(rids), tuple(new), tuple(reasons), tuple(pts), tuple(cts)))
+            push.send(FRONTEND_INPUT_CODEC.encode(
+                BatchTokenOut(tuple(rids), tuple(new), tuple(reasons), tuple(pts), tuple(cts))))

@@ -26,8 +26,11 @@ def tok(smollm2_tokenizer):
 async def frontend(tok, script=None, step_delay=0.002):
     port_args = PortArgs.new()
     script = script if script is not None else tok.encode(REPLY, add_special_tokens=False)
-    fake = FakeScheduler(port_args, tok, script, eos_id=2, step_delay=step_delay).start()
+    # The frontend binds its output socket first (as in the real launch, where the ranks'
+    # PUSH sockets are connected long before requests): otherwise the fake's outputs wait
+    # for a ZMQ reconnect and arrive in one burst.
     tm = TokenizerManager(ServerArgs(), port_args, INFO, tok)
+    fake = FakeScheduler(port_args, tok, script, eos_id=2, step_delay=step_delay).start()
     tm.start_handle_loop()
     try:
         yield tm, fake

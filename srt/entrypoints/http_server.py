@@ -14,6 +14,7 @@ from srt.entrypoints.openai_serving import (
     SSE_DONE, OpenAIServing, abort_error, error_response, last_output_or_disconnect, read_json, sse,
 )
 from srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
+from srt.security.http_guard import HttpGuard, HttpGuardConfig, RequestTooLarge
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,17 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
     app.state.tokenizer_manager = tm
     app.state.server_args = server_args
     app.state.openai_serving = OpenAIServing(tm, served_name)
+    guard = HttpGuardConfig.from_server_args(server_args)
+    app.state.http_guard = guard
+    app.add_middleware(HttpGuard, config=guard)  # API keys and body size, before the body is read
 
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, exc: ValueError):  # safety net: user errors are 400s
         return error_response(str(exc))
+
+    @app.exception_handler(RequestTooLarge)
+    async def _too_large(request: Request, exc: RequestTooLarge):
+        return error_response(str(exc), 413)
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -72,18 +80,38 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
     @app.get("/get_server_info")
     async def server_info(request: Request) -> JSONResponse:
         t = request.app.state.tokenizer_manager
+        args = dataclasses.asdict(request.app.state.server_args)
+        for secret in ("api_key", "admin_api_key"):  # never echo a key
+            args[secret] = "<set>" if args[secret] else None
         return JSONResponse({
-            **dataclasses.asdict(request.app.state.server_args),
+            **args,
             **dataclasses.asdict(t.scheduler_info),
             "num_inflight_requests": len(t.rid_to_state),
             "num_aborted_requests": t.num_aborted,
+            "num_dropped_messages": t.recv_drops.count,
+            "num_refused_handshakes": t.transport.refused_handshakes,
         })
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        """Admin (SGLang's endpoint): abort one request by id, or all with abort_all."""
+        t: TokenizerManager = request.app.state.tokenizer_manager
+        body = await read_json(request)
+        if not isinstance(body, dict) or not (isinstance(body.get("rid"), str) or body.get("abort_all") is True):
+            return error_response('Send {"rid": "<request id>"} or {"abort_all": true}.')
+        rids = list(t.rid_to_state) if body.get("abort_all") is True else [body["rid"]]
+        found = [rid for rid in rids if rid in t.rid_to_state]
+        for rid in found:
+            t.abort_request(rid)
+        if not found and body.get("abort_all") is not True:
+            return error_response(f"No request with id {body['rid']!r} is running.", 404)
+        return JSONResponse({"aborted": found})
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         t: TokenizerManager = request.app.state.tokenizer_manager
         try:
-            req = t.prepare_request(GenerateReqInput.from_dict(await read_json(request)))
+            req = await t.prepare_request_async(GenerateReqInput.from_dict(await read_json(request)))
         except ValueError as e:
             return error_response(str(e))
         if req.stream:
@@ -119,6 +147,10 @@ def launch_server(server_args) -> None:
     from srt.entrypoints.launcher import launch_schedulers, new_port_args, prepare_server_args
 
     _init_frontend_process(server_args)
+    if server_args.nnodes > 1:
+        from srt.security.cluster_secret import secret_for_node0
+
+        secret_for_node0(server_args.cluster_secret_file)  # generated and printed if absent
     server_args = prepare_server_args(server_args)
     host = (server_args.dist_init_addr or "").rpartition(":")[0] or None
     port_args = new_port_args(server_args, host)

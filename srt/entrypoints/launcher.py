@@ -22,8 +22,10 @@ import zmq
 from distributed.parallel_state import RankInfo, local_world_ranks
 from distributed.process_groups import DistConfig
 from srt import environ
-from srt.managers.io_struct import PortArgs, RankReady, SchedulerInfo, bind_address, free_port
+from srt.managers.io_struct import READY_CODEC, PortArgs, RankReady, SchedulerInfo, free_port
 from srt.managers.scheduler_process import RankLaunch, run_scheduler_process
+from srt.managers.wire import DropCounter, recv_message
+from srt.managers.zmq_transport import transport_for
 from srt.model_loader import resolve_model_path
 from srt.server_args import ServerArgs
 
@@ -48,9 +50,13 @@ def dist_config(server_args: ServerArgs, init_method: Optional[str] = None) -> D
     return DistConfig(init_method, backend, server_args.dist_timeout)
 
 
-def new_port_args(server_args: ServerArgs, frontend_host: Optional[str]) -> PortArgs:
-    """IPC on one node; TCP on ``frontend_host`` when ranks live on other nodes."""
-    return PortArgs.new(server_args.dp_size, frontend_host if server_args.nnodes > 1 else None)
+def new_port_args(server_args: ServerArgs, node0_host: Optional[str]) -> PortArgs:
+    """IPC on one node; TCP on node 0's cluster address when ranks live on other nodes."""
+    if server_args.nnodes == 1:
+        return PortArgs.new(server_args.dp_size)
+    from srt.managers.cluster_address import node0_address
+
+    return PortArgs.new(server_args.dp_size, node0_address(node0_host))
 
 
 @dataclass
@@ -114,8 +120,8 @@ def spawn_local_ranks(server_args: ServerArgs, port_args: Optional[PortArgs],
 
 def launch_schedulers(server_args: ServerArgs, port_args: PortArgs) -> SchedulerHandles:
     """Node 0 (with the frontend): spawn this node's ranks, wait for the whole world."""
-    ctx = zmq.Context()
-    ready = bind_ready_socket(ctx, port_args)
+    transport = transport_for(port_args, server_args.cluster_secret_file, "launcher")
+    ready, _ = transport.bind(zmq.PULL, port_args.ready_ipc)
     handles = SchedulerHandles([])
     try:
         handles.procs = spawn_local_ranks(server_args, port_args, dist_config(server_args))
@@ -124,15 +130,8 @@ def launch_schedulers(server_args: ServerArgs, port_args: PortArgs) -> Scheduler
         handles.shutdown()
         raise
     finally:
-        ready.close(0)
-        ctx.term()
+        transport.close()
     return handles
-
-
-def bind_ready_socket(ctx: zmq.Context, port_args: PortArgs) -> zmq.Socket:
-    sock = ctx.socket(zmq.PULL)
-    sock.bind(bind_address(port_args.ready_ipc))
-    return sock
 
 
 def wait_for_ranks(ready: zmq.Socket, server_args: ServerArgs, handles: SchedulerHandles) -> None:
@@ -142,9 +141,12 @@ def wait_for_ranks(ready: zmq.Socket, server_args: ServerArgs, handles: Schedule
     timeout = environ.GRAMSYNC_STARTUP_TIMEOUT.get()
     deadline = time.monotonic() + timeout
     reports: dict[int, RankReady] = {}
+    drops = DropCounter("launcher ready socket")
     while len(reports) < world_size:
         if ready.poll(200):
-            msg: RankReady = ready.recv_pyobj()
+            msg = recv_message(ready, READY_CODEC, drops)
+            if msg is None or not 0 <= msg.world_rank < world_size:
+                continue
             if msg.error is not None:
                 raise RuntimeError(msg.error)
             reports[msg.world_rank] = msg

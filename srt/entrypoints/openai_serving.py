@@ -18,9 +18,12 @@ from srt.entrypoints.openai_protocol import (
     ChatCompletionStreamChoice, ChatMessageOut, CompletionChoice, CompletionRequest,
     CompletionResponse, DeltaMessage, UsageInfo, error_body, validation_error_message,
 )
+from srt.managers.generate_input import check_fits_context
 from srt.managers.tokenizer_manager import TokenizerManager
+from srt.security.http_guard import read_body_limited
 from srt.tokenizer_utils import apply_chat_template
 
+OFFLOOP_BODY_BYTES = 1 << 20  # larger bodies are parsed off the event loop
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks for a gone client
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -35,7 +38,15 @@ def sse(obj: Any) -> str:
 
 
 async def read_json(request: Request) -> Any:
-    body = await request.body()
+    """The JSON body, read up to --max-request-bytes (else RequestTooLarge: 413); a large
+    body is parsed on a worker thread so the event loop keeps serving others."""
+    body = await read_body_limited(request, request.app.state.http_guard.max_request_bytes)
+    if len(body) > OFFLOOP_BODY_BYTES:
+        return await asyncio.to_thread(_parse_json, body)
+    return _parse_json(body)
+
+
+def _parse_json(body: bytes) -> Any:
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -116,7 +127,10 @@ class OpenAIServing:
             return err
         try:
             messages = [m.for_template() for m in body.messages]
-            ids = apply_chat_template(self.tm.tokenizer, messages, **(body.chat_template_kwargs or {}))
+            chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+            check_fits_context(chars, self.tm.context_len, self.tm.max_token_chars)
+            ids = await self.tm.run_offloop(chars, apply_chat_template, self.tm.tokenizer, messages,
+                                            **(body.chat_template_kwargs or {}))
             obj = body.generate_input(uuid.uuid4().hex, input_ids=ids)
             obj.require_reasoning = body.requires_reasoning(self.tm.server_args.reasoning_parser)
             req = self.tm.prepare_request(obj)
@@ -173,7 +187,7 @@ class OpenAIServing:
             prompt = body.single_prompt()
             kind = "text" if isinstance(prompt, str) else "input_ids"
             obj = body.generate_input(uuid.uuid4().hex, **{kind: prompt})
-            req = self.tm.prepare_request(obj)
+            req = await self.tm.prepare_request_async(obj)
         except ValueError as e:
             return error_response(str(e))
         model = body.model or self.served_model_name

@@ -54,6 +54,13 @@ def torchrun_main(server_args: ServerArgs) -> None:
         server_args, rank = torchrun_server_args(server_args)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    if server_args.nnodes > 1:  # every worker must hold it: nothing sends it over the network
+        from srt.security.cluster_secret import ClusterSecretError, require_secret
+
+        try:
+            require_secret(server_args.cluster_secret_file)
+        except ClusterSecretError as e:
+            sys.exit(f"error: {e}")
     server_args = prepare_server_args(server_args)  # per node: GGUF conversion is locked
     port_args = None
     if rank.world_rank == 0:
@@ -84,7 +91,8 @@ def run_frontend(server_args: ServerArgs, port_args, parent_pid: int) -> None:
     import zmq
 
     from srt.entrypoints.http_server import _init_frontend_process, serve
-    from srt.entrypoints.launcher import SchedulerHandles, bind_ready_socket, wait_for_ranks
+    from srt.entrypoints.launcher import SchedulerHandles, wait_for_ranks
+    from srt.managers.zmq_transport import transport_for
     from srt.process_utils import die_with_parent
 
     die_with_parent(signal.SIGTERM)
@@ -96,13 +104,12 @@ def run_frontend(server_args: ServerArgs, port_args, parent_pid: int) -> None:
         return None
 
     handles = SchedulerHandles([], extra_check=parent_gone)
-    ctx = zmq.Context()
-    ready = bind_ready_socket(ctx, port_args)
+    transport = transport_for(port_args, server_args.cluster_secret_file, "launcher")
+    ready, _ = transport.bind(zmq.PULL, port_args.ready_ipc)
     try:
         wait_for_ranks(ready, server_args, handles)
     except RuntimeError as e:
         sys.exit(f"gramsync: {e}")
     finally:
-        ready.close(0)
-        ctx.term()
+        transport.close()
     serve(server_args, port_args, handles)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from constrained.grammar_manager import DISABLED_MESSAGE
+from constrained.schema_refs import check_no_external_refs
 from sampling.custom_logit_processor import validate_custom_logit_processor
 from sampling.sampling_params import SamplingParams
 from srt.managers.io_struct import SchedulerInfo, TokenizedGenerateReq
@@ -56,7 +57,8 @@ class GenerateReqInput:
 
 def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
                     enable_custom_logit_processor: bool = False,
-                    grammar_backend: str = "xgrammar") -> TokenizedGenerateReq:
+                    grammar_backend: str = "xgrammar",
+                    max_token_chars: Optional[int] = None) -> TokenizedGenerateReq:
     """Validate and tokenize; every user error is a ValueError raised here, before
     anything reaches the scheduler. ``enable_custom_logit_processor`` and
     ``grammar_backend`` are server flags (frontend policies, passed here rather than
@@ -74,6 +76,9 @@ def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
     params = SamplingParams.from_dict(sp)
     vocab = info.vocab_size
     params.verify(vocab)
+    for kind in ("json_schema", "structural_tag"):
+        if getattr(params, kind) is not None:
+            check_no_external_refs(getattr(params, kind), kind)
     if params.constraint is not None and grammar_backend == "none":
         # Never ignore a constraint silently: the output would not follow it.
         raise ValueError(DISABLED_MESSAGE.format(kind=params.constraint[0]))
@@ -84,6 +89,8 @@ def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
         validate_custom_logit_processor(params.custom_logit_processor, params.custom_params, vocab)
     if obj.text == "":
         raise ValueError("The input is empty: the prompt must have at least one token.")
+    if obj.text is not None and max_token_chars is not None:
+        check_fits_context(len(obj.text), info.context_len, max_token_chars)
     if obj.text is not None:
         input_ids = list(tokenizer.encode(obj.text))
     else:
@@ -121,6 +128,16 @@ def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
     rid = obj.rid if obj.rid is not None else uuid.uuid4().hex
     return TokenizedGenerateReq(rid, tuple(input_ids), params, bool(obj.stream),
                                 require_reasoning=bool(obj.require_reasoning))
+
+
+def check_fits_context(num_chars: int, context_len: int, max_token_chars: int) -> None:
+    """Reject, before tokenizing it, a text too long for the context at any tokenization
+    (so a huge prompt costs nothing: its tokenization could take seconds)."""
+    if num_chars > context_len * max_token_chars:
+        raise ValueError(
+            f"The input ({num_chars} characters) cannot fit the model's context length "
+            f"({context_len} tokens): no token of this tokenizer is longer than "
+            f"{max_token_chars} characters.")
 
 
 def _is_int(v: Any) -> bool:

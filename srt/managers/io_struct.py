@@ -1,10 +1,12 @@
-"""Messages that cross the frontend <-> scheduler boundary (ZMQ, pickled). All frozen."""
+"""Messages that cross the frontend <-> scheduler boundary over ZMQ, all frozen, and the
+codec each socket decodes with (typed msgpack, ``wire.py``; never pickle)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from sampling.sampling_params import SamplingParams
+from srt.managers.wire import MessageCodec
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,10 @@ class RankReady:
 @dataclass(frozen=True)
 class PortArgs:
     """ZMQ endpoints. The frontend binds ``frontend_input`` and ``ready``; each entry rank
-    binds its DP group's ``scheduler_inputs[d]`` (on TCP, "tcp://*:0": a free port it then
-    reports in RankReady) and the frontend connects to what the entry ranks report."""
+    binds its DP group's ``scheduler_inputs[d]`` and reports the address it got in
+    RankReady. On one node these are IPC files in a private (0700) directory; across nodes
+    they are CURVE-authenticated TCP endpoints on each node's cluster address, and a
+    scheduler input is ``TCP_ANY_PORT``: a free port on the entry rank's own node."""
 
     frontend_input_ipc: str  # scheduler PUSH -> frontend PULL
     ready_ipc: str  # every rank PUSH RankReady -> launcher PULL
@@ -101,30 +105,36 @@ class PortArgs:
         """DP group 0's request endpoint (the only one at --dp-size 1)."""
         return self.scheduler_input_ipcs[0]
 
+    @property
+    def is_tcp(self) -> bool:
+        return self.ready_ipc.startswith("tcp://")
+
     @classmethod
     def new(cls, dp_size: int = 1, tcp_host: Optional[str] = None) -> "PortArgs":
-        """IPC files in a fresh directory (one machine), or TCP ports on ``tcp_host``
-        (the frontend's address as the other nodes reach it)."""
+        """IPC files in a fresh private directory (one machine), or TCP ports on
+        ``tcp_host`` (node 0's cluster address, where the other nodes reach it)."""
         if tcp_host is not None:
-            return cls(f"tcp://{tcp_host}:{free_port()}", f"tcp://{tcp_host}:{free_port()}",
-                       ("tcp://*:0",) * dp_size)
+            return cls(f"tcp://{tcp_host}:{free_port(tcp_host)}", f"tcp://{tcp_host}:{free_port(tcp_host)}",
+                       (TCP_ANY_PORT,) * dp_size)
         import tempfile
 
-        d = tempfile.mkdtemp(prefix="gramsync-ipc-")
+        d = tempfile.mkdtemp(prefix="gramsync-ipc-")  # mode 0700, checked again at bind
         return cls(f"ipc://{d}/frontend_input", f"ipc://{d}/ready",
                    tuple(f"ipc://{d}/scheduler_input_dp{i}" for i in range(dp_size)))
 
 
-def free_port() -> int:
+TCP_ANY_PORT = "tcp://<this node>:0"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
     import socket
 
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def bind_address(addr: str) -> str:
-    """TCP endpoints are bound on every interface; others as given."""
-    if addr.startswith("tcp://"):
-        return "tcp://*:" + addr.rsplit(":", 1)[1]
-    return addr
+# What each socket accepts; anything else is dropped and counted (wire.py).
+SCHEDULER_INPUT_CODEC = MessageCodec(TokenizedGenerateReq, AbortReq)
+FRONTEND_INPUT_CODEC = MessageCodec(BatchTokenOut)
+READY_CODEC = MessageCodec(RankReady)

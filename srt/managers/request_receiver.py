@@ -6,7 +6,6 @@ identical messages in the same iteration. Only the entry rank talks to the front
 """
 from __future__ import annotations
 
-import socket
 from typing import Optional
 
 import zmq
@@ -14,24 +13,26 @@ import zmq
 from distributed.broadcast import broadcast_pyobj
 from distributed.parallel_state import RankInfo, TPGroup
 from srt import environ
+from srt.managers.io_struct import FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, TCP_ANY_PORT
+from srt.managers.wire import DropCounter, recv_message
+from srt.managers.zmq_transport import ZmqTransport
 
 
 class RequestReceiver:
-    def __init__(self, ctx: zmq.Context, endpoint: str, rank_info: RankInfo, tp: TPGroup,
-                 advertise_host: Optional[str] = None):
+    def __init__(self, transport: ZmqTransport, endpoint: str, rank_info: RankInfo, tp: TPGroup,
+                 node_address: Optional[str] = None):
+        """``node_address``: this node's cluster address, where a TCP request socket binds."""
         self.rank_info = rank_info
         self.tp = tp
         self.sock = None
         self.address: Optional[str] = None  # entry rank: where the frontend must connect
+        self.drops = DropCounter(f"scheduler {rank_info.name} request socket")
         if rank_info.is_entry_rank:
-            self.sock = ctx.socket(zmq.PULL)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            if endpoint.endswith(":0"):  # TCP, any free port: report the one we got
-                port = self.sock.bind_to_random_port(endpoint.rsplit(":", 1)[0])
-                self.address = f"tcp://{advertise_host or reachable_ip()}:{port}"
-            else:
-                self.sock.bind(endpoint)
-                self.address = endpoint
+            if endpoint == TCP_ANY_PORT:  # a free port on this node: report the one we got
+                if not node_address:
+                    raise RuntimeError("cannot tell this node's cluster address: set GRAMSYNC_HOST_IP")
+                endpoint = f"tcp://{node_address}:0"
+            self.sock, self.address = transport.bind(zmq.PULL, endpoint)
         # The first rank of the group is the broadcast source (world rank numbering).
         self.src_world_rank = rank_info.world_rank - rank_info.tp_rank
         self.idle_wait_ms = int(environ.GRAMSYNC_SCHEDULER_IDLE_WAIT.get() * 1000)
@@ -43,12 +44,15 @@ class RequestReceiver:
                 self.sock.poll(self.idle_wait_ms)
             while True:
                 try:
-                    msgs.append(self.sock.recv_pyobj(zmq.NOBLOCK))
+                    msg = recv_message(self.sock, SCHEDULER_INPUT_CODEC, self.drops, zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                if msg is not None:
+                    msgs.append(msg)
             msgs.extend(extra)
         if self.tp.is_single:
             return msgs
+        # Inside the TP group (trusted peers, torch.distributed): pickled broadcast.
         return broadcast_pyobj(msgs, self.rank_info.is_entry_rank, self.src_world_rank,
                                self.tp.cpu_group)
 
@@ -56,24 +60,11 @@ class RequestReceiver:
 class OutputSender:
     """Entry rank only: pushes BatchTokenOut to the frontend; other ranks drop outputs."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, rank_info: RankInfo):
+    def __init__(self, transport: ZmqTransport, endpoint: str, rank_info: RankInfo):
         self.sock = None
         if rank_info.is_entry_rank:
-            self.sock = ctx.socket(zmq.PUSH)
-            self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.connect(endpoint)
+            self.sock = transport.connect(zmq.PUSH, endpoint)
 
     def send(self, out) -> None:
         if self.sock is not None:
-            self.sock.send_pyobj(out)
-
-
-def reachable_ip(peer: str) -> str:
-    """This host's address on the interface that routes to ``peer`` (node 0; a UDP
-    "connect" only picks the route and sends nothing); falls back to the hostname's."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((peer, 1))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
+            self.sock.send(FRONTEND_INPUT_CODEC.encode(out), copy=False)

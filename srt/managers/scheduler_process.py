@@ -20,7 +20,7 @@ import zmq
 
 from distributed.parallel_state import RankInfo
 from distributed.process_groups import DistConfig
-from srt.managers.io_struct import PortArgs, RankReady, SchedulerInfo
+from srt.managers.io_struct import READY_CODEC, PortArgs, RankReady, SchedulerInfo
 from srt.server_args import ServerArgs
 
 
@@ -59,7 +59,9 @@ def run_scheduler_process(launch: RankLaunch) -> None:
         from distributed.broadcast import broadcast_pyobj
         from distributed.process_groups import init_process_groups
         from srt.managers.batch_log import BatchLog
-        from srt.managers.request_receiver import OutputSender, RequestReceiver, reachable_ip
+        from srt.managers.cluster_address import this_node_address
+        from srt.managers.request_receiver import OutputSender, RequestReceiver
+        from srt.managers.zmq_transport import transport_for
         from srt.managers.scheduler import Scheduler
         from srt.managers.watchdog import Watchdog
         from srt.model_config import ModelConfig
@@ -74,20 +76,19 @@ def run_scheduler_process(launch: RankLaunch) -> None:
         if world is not None:  # world rank 0 decides; everyone must use the same values
             port_args, seed = broadcast_pyobj((port_args, seed), rank_info.world_rank == 0, 0, world)
         server_args = dataclasses.replace(server_args, random_seed=seed)
-        ctx = zmq.Context()
-        ready_sock = ctx.socket(zmq.PUSH)
-        ready_sock.setsockopt(zmq.LINGER, 5000)
-        ready_sock.connect(port_args.ready_ipc)
+        transport = transport_for(port_args, server_args.cluster_secret_file, rank_info.name)
+        ready_sock = transport.connect(zmq.PUSH, port_args.ready_ipc)
+        ready_sock.setsockopt(zmq.LINGER, 5000)  # the report must leave before close()
         from transformers import AutoTokenizer
 
         model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
         batch_log = BatchLog.from_env(rank_info)
         scheduler = Scheduler(server_args, rank_info, tp, model_config, tokenizer, batch_log)
-        advertise = _advertise_host(launch.dist.init_method, reachable_ip)
-        receiver = RequestReceiver(ctx, port_args.scheduler_input_ipcs[rank_info.dp_rank],
-                                   rank_info, tp, advertise)
-        sender = OutputSender(ctx, port_args.frontend_input_ipc, rank_info)
+        node_address = this_node_address(launch.dist.init_method) if port_args.is_tcp else None
+        receiver = RequestReceiver(transport, port_args.scheduler_input_ipcs[rank_info.dp_rank],
+                                   rank_info, tp, node_address)
+        sender = OutputSender(transport, port_args.frontend_input_ipc, rank_info)
         runner = scheduler.runner
         info = SchedulerInfo(
             max_total_num_tokens=runner.max_total_num_tokens,
@@ -95,15 +96,16 @@ def run_scheduler_process(launch: RankLaunch) -> None:
             context_len=runner.context_len,
             vocab_size=model_config.vocab_size,
             eos_token_ids=tuple(model_config.eos_token_ids))
-        ready_sock.send_pyobj(RankReady(rank_info.world_rank, rank_info.name,
-                                        info=info if rank_info.is_entry_rank else None,
-                                        input_addr=receiver.address))
+        ready_sock.send(READY_CODEC.encode(RankReady(
+            rank_info.world_rank, rank_info.name, info=info if rank_info.is_entry_rank else None,
+            input_addr=receiver.address)))
     except Exception:
         msg = traceback.format_exc()
         logger.error("scheduler failed to start:\n%s", msg)
         if ready_sock is not None:
-            ready_sock.send_pyobj(RankReady(rank_info.world_rank, rank_info.name,
-                                            error=f"scheduler {rank_info.name} failed to start:\n{msg}"))
+            ready_sock.send(READY_CODEC.encode(RankReady(
+                rank_info.world_rank, rank_info.name,
+                error=f"scheduler {rank_info.name} failed to start:\n{msg}")))
             ready_sock.close()
         sys.exit(1)
     ready_sock.close()
@@ -125,15 +127,3 @@ def run_scheduler_process(launch: RankLaunch) -> None:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         sys.exit(1)
 
-
-def _advertise_host(init_method: str, find_ip) -> Optional[str]:
-    """Host the frontend should use for this node's request sockets (TCP only)."""
-    from srt import environ
-
-    explicit = environ.GRAMSYNC_HOST_IP.get()
-    if explicit:
-        return explicit
-    if init_method.startswith("tcp://"):
-        return find_ip(init_method[len("tcp://"):].rsplit(":", 1)[0])
-    master = os.environ.get("MASTER_ADDR")
-    return find_ip(master) if master else None

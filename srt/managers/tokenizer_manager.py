@@ -13,16 +13,21 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import zmq
-import zmq.asyncio
 
 from srt.managers.detokenizer import DecodeState
 from srt.managers.dp_dispatch import DPDispatcher
 from srt.managers.generate_input import GenerateReqInput, prepare_request
 from srt.managers.io_struct import (
-    AbortReq, BatchTokenOut, FinishReason, PortArgs, SchedulerInfo, TokenizedGenerateReq,
+    FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, AbortReq, FinishReason, PortArgs, SchedulerInfo,
+    TokenizedGenerateReq,
 )
+from srt.managers.wire import DropCounter, recv_message_async
+from srt.managers.zmq_transport import transport_for
+from srt.tokenizer_utils import max_chars_per_token
 
 logger = logging.getLogger(__name__)
+# Texts longer than this are tokenized (and chat-templated) off the event loop.
+OFFLOOP_CHARS = 16384
 
 __all__ = ["GenerateReqInput", "TokenizerManager"]
 
@@ -49,25 +54,23 @@ class TokenizerManager:
         self.scheduler_info = scheduler_info
         self.tokenizer = tokenizer
         self.context_len = scheduler_info.context_len
+        self.max_token_chars = max_chars_per_token(tokenizer)
+        # IPC in a private directory, or CURVE-authenticated TCP (multi-node).
+        self.transport = transport_for(port_args, server_args.cluster_secret_file, "frontend")
         # Sends are plain (sync) zmq: with an unlimited HWM a PUSH never blocks, so they
         # can run from finally-blocks of cancelled tasks (client disconnects) too.
-        self._sync_ctx = zmq.Context()
         # One PUSH per DP group: a connecting PUSH queues until the peer is there.
         addrs = scheduler_input_addrs or port_args.scheduler_input_ipcs
         self._sends = []
         for addr in addrs:
-            sock = self._sync_ctx.socket(zmq.PUSH)
+            sock = self.transport.connect(zmq.PUSH, addr)
             sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(addr)
             self._sends.append(sock)
         self.dispatcher = DPDispatcher(len(self._sends), getattr(
             server_args, "load_balance_method", "round_robin"))
-        self._async_ctx = zmq.asyncio.Context()
-        self._recv = self._async_ctx.socket(zmq.PULL)
+        self._recv, _ = self.transport.bind(zmq.PULL, port_args.frontend_input_ipc, asyncio=True)
         self._recv.setsockopt(zmq.RCVHWM, 0)
-        self._recv.setsockopt(zmq.LINGER, 0)
-        self._recv.bind(port_args.frontend_input_ipc)
+        self.recv_drops = DropCounter("frontend output socket")
         self.rid_to_state: dict[str, _ReqState] = {}
         self._handle_task: Optional[asyncio.Task] = None
         self.num_aborted = 0  # requests this frontend aborted (client gone), for server info
@@ -79,7 +82,21 @@ class TokenizerManager:
         anything reaches the scheduler."""
         return prepare_request(obj, self.tokenizer, self.scheduler_info,
                                enable_custom_logit_processor=self.server_args.enable_custom_logit_processor,
-                               grammar_backend=self.server_args.grammar_backend)
+                               grammar_backend=self.server_args.grammar_backend,
+                               max_token_chars=self.max_token_chars)
+
+    async def prepare_request_async(self, obj: GenerateReqInput) -> TokenizedGenerateReq:
+        """``prepare_request``; a large text is tokenized on a worker thread, so other
+        requests' streams and admissions go on meanwhile."""
+        if obj.text is not None and len(obj.text) > OFFLOOP_CHARS:
+            return await asyncio.to_thread(self.prepare_request, obj)
+        return self.prepare_request(obj)
+
+    async def run_offloop(self, size: int, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)``, on a worker thread when ``size`` (characters) is large."""
+        if size > OFFLOOP_CHARS:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
 
     # ---- request lifecycle --------------------------------------------------------
     async def generate_request(
@@ -97,7 +114,7 @@ class TokenizerManager:
         state.dp_rank = self.dispatcher.pick()
         self.rid_to_state[req.rid] = state
         try:
-            self._sends[state.dp_rank].send_pyobj(req)
+            self._send(state.dp_rank, req)
             while True:
                 chunks = [await state.queue.get()]
                 while not state.queue.empty():  # coalesce when the consumer is slower
@@ -114,13 +131,16 @@ class TokenizerManager:
             if state.finish_reason is None:  # consumer went away (disconnect, cancel, error)
                 self.num_aborted += 1
                 with contextlib.suppress(zmq.ZMQError):  # already closed at shutdown
-                    self._sends[state.dp_rank].send_pyobj(AbortReq(req.rid))
+                    self._send(state.dp_rank, AbortReq(req.rid))
 
     def abort_request(self, rid: str) -> None:
         """Ask the scheduler to abort ``rid``; it answers with an abort finish reason."""
         state = self.rid_to_state.get(rid)
         if state is not None:
-            self._sends[state.dp_rank].send_pyobj(AbortReq(rid))
+            self._send(state.dp_rank, AbortReq(rid))
+
+    def _send(self, dp_rank: int, msg) -> None:
+        self._sends[dp_rank].send(SCHEDULER_INPUT_CODEC.encode(msg), copy=False)
 
     def _apply(self, state: _ReqState, new_ids, reason, prompt_tokens, completion_tokens) -> None:
         new_ids = list(new_ids)
@@ -164,7 +184,7 @@ class TokenizerManager:
     async def _handle_loop(self) -> None:
         while True:
             try:
-                out = await self._recv.recv_pyobj()
+                out = await recv_message_async(self._recv, FRONTEND_INPUT_CODEC, self.recv_drops)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError:
@@ -175,8 +195,7 @@ class TokenizerManager:
             except Exception:  # a bad message must not kill every request's stream
                 logger.exception("Failed to receive from the scheduler")
                 continue
-            if not isinstance(out, BatchTokenOut):
-                logger.warning("Ignoring unexpected message from the scheduler: %r", type(out))
+            if out is None:  # not a valid message: dropped and counted
                 continue
             for i, rid in enumerate(out.rids):
                 state = self.rid_to_state.get(rid)
@@ -193,11 +212,7 @@ class TokenizerManager:
     def close(self) -> None:
         if self._handle_task is not None:
             self._handle_task.cancel()
-        self._recv.close(0)
-        for sock in self._sends:
-            sock.close(0)
-        self._async_ctx.term()
-        self._sync_ctx.term()
+        self.transport.close()
 
 
 def _is_int(v: Any) -> bool:

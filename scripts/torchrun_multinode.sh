@@ -10,6 +10,11 @@
 # ranks are then assigned by torchrun). The flags after the script name go to launch.py;
 # --tp-size x --dp-size must equal NNODES x NPROC_PER_NODE. torchrun stops every worker
 # of every node when one fails (--max-restarts 0), so the server never half-runs.
+#
+# Every node needs the same cluster secret (README "Security"): export
+# GRAMSYNC_CLUSTER_SECRET, or GRAMSYNC_CLUSTER_SECRET_FILE naming a file (mode 600) on
+# each node. Make one with: python -c 'import secrets; print(secrets.token_hex(32))'.
+# GRAMSYNC_API_KEY, if set, guards the HTTP API.
 set -euo pipefail
 
 GRAMSYNC_DIR=${GRAMSYNC_DIR:-$(cd "$(dirname "$0")/.." && pwd)}
@@ -18,6 +23,18 @@ NNODES=${NNODES:?set NNODES}
 NPROC_PER_NODE=${NPROC_PER_NODE:?set NPROC_PER_NODE (GPUs per node)}
 MASTER_PORT=${MASTER_PORT:-29500}
 GRAMSYNC_PORT=${GRAMSYNC_PORT:-30000}
+
+if [[ "$NNODES" -gt 1 ]]; then
+  if [[ -n "${GRAMSYNC_CLUSTER_SECRET_FILE:-}" ]]; then
+    export GRAMSYNC_CLUSTER_SECRET=$(<"$GRAMSYNC_CLUSTER_SECRET_FILE")
+  fi
+  if [[ -z "${GRAMSYNC_CLUSTER_SECRET:-}" ]]; then
+    echo "error: set GRAMSYNC_CLUSTER_SECRET (or GRAMSYNC_CLUSTER_SECRET_FILE) to the same secret on every node;" >&2
+    echo "       make one with: python -c 'import secrets; print(secrets.token_hex(32))'" >&2
+    exit 2
+  fi
+  export GRAMSYNC_CLUSTER_SECRET
+fi
 
 if [[ -n "${RDZV_ENDPOINT:-}" ]]; then
   WORLD=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-gramsync}")

@@ -25,6 +25,10 @@ from test_multi_rank_server import (
 )
 
 
+# Every node holds the same cluster secret (as the SLURM / torchrun scripts arrange).
+CLUSTER_ENV = {"GRAMSYNC_CLUSTER_SECRET": "test-cluster-secret-" + "0123456789abcdef" * 2}
+
+
 def _node_cmd(model_dir: str, http_port: int, dist_port: int, node_rank: int) -> list[str]:
     return _launch_cmd(model_dir, http_port, "--dp-size", "2", "--nnodes", "2",
                        "--node-rank", str(node_rank), "--dist-init-addr", f"127.0.0.1:{dist_port}")
@@ -33,7 +37,7 @@ def _node_cmd(model_dir: str, http_port: int, dist_port: int, node_rank: int) ->
 @pytest.mark.timeout(240)
 def test_two_nodes_without_torchrun(tmp_path, smollm2_dir):
     http_port, dist_port = _free_port(), _free_port()
-    env = {"GRAMSYNC_BATCH_LOG_DIR": str(tmp_path / "batches")}
+    env = {"GRAMSYNC_BATCH_LOG_DIR": str(tmp_path / "batches"), **CLUSTER_ENV}
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     nodes = [_popen(_node_cmd(smollm2_dir, http_port, dist_port, k), logs[k], env) for k in (0, 1)]
     base = f"http://127.0.0.1:{http_port}"
@@ -81,7 +85,7 @@ def test_torchrun_two_nodes_one_tp_group(tmp_path, smollm2_dir):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k),
                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master_port),
                "--max-restarts", "0", *_launch_cmd(smollm2_dir, http_port, "--tp-size", "2")[1:]]
-        nodes.append(_popen(cmd, logs[k]))
+        nodes.append(_popen(cmd, logs[k], CLUSTER_ENV))
     base = f"http://127.0.0.1:{http_port}"
     group: list[psutil.Process] = []
     try:

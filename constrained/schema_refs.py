@@ -11,8 +11,11 @@ import json
 from typing import Any, Union
 
 REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
-# Values under these keys are data, not schemas: a "$ref" there is just a string.
+# Values under these keys are data, not schemas: a "$ref" there is just a string...
 DATA_KEYS = frozenset({"const", "enum", "default", "examples"})
+# ...except inside maps from names to schemas, where "enum" or "default" is just a name.
+NAMED_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                               "dependentSchemas", "dependencies"})
 
 
 class ExternalRefError(ValueError):
@@ -27,19 +30,22 @@ def check_no_external_refs(schema: Union[str, Any], kind: str = "json_schema") -
             schema = json.loads(schema)
         except (ValueError, RecursionError):
             return  # not JSON: the backend reports that
-    stack: list[tuple[Any, str]] = [(schema, "#")]
+    # (node, its JSON path, whether it is a name -> schema map)
+    stack: list[tuple[Any, str, bool]] = [(schema, "#", False)]
     while stack:
-        node, path = stack.pop()
+        node, path, named = stack.pop()
         if isinstance(node, dict):
             for key in REF_KEYS:
                 ref = node.get(key)
-                if isinstance(ref, str) and not ref.startswith("#"):
+                if isinstance(ref, str) and not ref.startswith("#") and not named:
+                    shown = path if len(path) <= 200 else path[:100] + "/.../" + path[-95:]
                     raise ExternalRefError(
-                        f"{kind} {key} {ref[:200]!r} at {path} is not a local reference: only "
+                        f"{kind} {key} {ref[:200]!r} at {shown} is not a local reference: only "
                         "references within the schema ('#/...') are allowed; the server never "
                         "fetches URLs or reads files for a schema.")
             for k, v in node.items():
-                if k not in DATA_KEYS and isinstance(v, (dict, list)):
-                    stack.append((v, f"{path}/{k}"))
+                if (named or k not in DATA_KEYS) and isinstance(v, (dict, list)):
+                    stack.append((v, f"{path}/{k}", not named and k in NAMED_SCHEMA_MAPS))
         elif isinstance(node, list):
-            stack.extend((v, f"{path}/{i}") for i, v in enumerate(node) if isinstance(v, (dict, list)))
+            stack.extend((v, f"{path}/{i}", False) for i, v in enumerate(node)
+                         if isinstance(v, (dict, list)))

@@ -13,16 +13,21 @@ import zmq
 from distributed.broadcast import broadcast_pyobj
 from distributed.parallel_state import RankInfo, TPGroup
 from srt import environ
-from srt.managers.io_struct import FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, TCP_ANY_PORT
+from srt.managers.io_struct import (
+    FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, TCP_ANY_PORT, TokenizedGenerateReq,
+)
 from srt.managers.wire import DropCounter, recv_message
 from srt.managers.zmq_transport import ZmqTransport
 
 
 class RequestReceiver:
     def __init__(self, transport: ZmqTransport, endpoint: str, rank_info: RankInfo, tp: TPGroup,
-                 node_address: Optional[str] = None):
-        """``node_address``: this node's cluster address, where a TCP request socket binds."""
+                 node_address: Optional[str] = None, vocab_size: Optional[int] = None):
+        """``node_address``: this node's cluster address, where a TCP request socket binds.
+        ``vocab_size``: requests are re-validated against it (the frontend already did;
+        this keeps a bad message from any peer out of the scheduler)."""
         self.rank_info = rank_info
+        self.vocab_size = vocab_size
         self.tp = tp
         self.sock = None
         self.address: Optional[str] = None  # entry rank: where the frontend must connect
@@ -47,7 +52,7 @@ class RequestReceiver:
                     msg = recv_message(self.sock, SCHEDULER_INPUT_CODEC, self.drops, zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if msg is not None:
+                if msg is not None and self._valid(msg):
                     msgs.append(msg)
             msgs.extend(extra)
         if self.tp.is_single:
@@ -55,6 +60,24 @@ class RequestReceiver:
         # Inside the TP group (trusted peers, torch.distributed): pickled broadcast.
         return broadcast_pyobj(msgs, self.rank_info.is_entry_rank, self.src_world_rank,
                                self.tp.cpu_group)
+
+
+    def _valid(self, msg) -> bool:
+        if not isinstance(msg, TokenizedGenerateReq) or self.vocab_size is None:
+            return True
+        try:
+            validate_request(msg, self.vocab_size)
+            return True
+        except ValueError as e:
+            self.drops.dropped(e, 0)
+            return False
+
+
+def validate_request(req: TokenizedGenerateReq, vocab_size: int) -> None:
+    """What the scheduler relies on: in-range ids and valid sampling parameters."""
+    if not req.input_ids or not all(0 <= t < vocab_size for t in req.input_ids):
+        raise ValueError(f"request {req.rid[:64]!r}: input_ids empty or outside [0, {vocab_size})")
+    req.sampling_params.verify(vocab_size)
 
 
 class OutputSender:

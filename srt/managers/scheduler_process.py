@@ -87,7 +87,7 @@ def run_scheduler_process(launch: RankLaunch) -> None:
         scheduler = Scheduler(server_args, rank_info, tp, model_config, tokenizer, batch_log)
         node_address = this_node_address(launch.dist.init_method) if port_args.is_tcp else None
         receiver = RequestReceiver(transport, port_args.scheduler_input_ipcs[rank_info.dp_rank],
-                                   rank_info, tp, node_address)
+                                   rank_info, tp, node_address, model_config.vocab_size)
         sender = OutputSender(transport, port_args.frontend_input_ipc, rank_info)
         runner = scheduler.runner
         info = SchedulerInfo(

@@ -51,7 +51,8 @@ class MessageCodec(Generic[T]):
             if decoder is None:
                 raise WireError(f"unexpected message type {name[:64]!r}")
             return decoder.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError,
+                RecursionError, MemoryError) as e:  # deep nesting, absurd lengths
             if isinstance(e, WireError):
                 raise
             raise WireError(f"malformed message: {str(e)[:200]}") from None

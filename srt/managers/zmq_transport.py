@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import os
+import socket
 import stat
 import threading
 from typing import Optional
@@ -35,6 +37,19 @@ def check_private_dir(path: str) -> None:
         raise PermissionError(
             f"IPC directory {path} must be owned by this user with mode 0700 "
             f"(it is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o})")
+
+
+def _is_every_interface(host: str) -> bool:
+    host = host.strip("[]")
+    if host in ("*", ""):
+        return True
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_unspecified
+    except (OSError, ValueError):
+        try:
+            return ipaddress.ip_address(host).is_unspecified  # an IPv6 literal
+        except ValueError:
+            return False  # an interface name: libzmq binds that interface only
 
 
 class _ClientKeyCheck:
@@ -71,7 +86,7 @@ class ZmqTransport:
             sock.curve_secretkey = self.keys.server_secret
             sock.curve_publickey = self.keys.server_public
             host, _, port = addr[len("tcp://"):].rpartition(":")
-            if host in ("*", "0.0.0.0", "::", ""):
+            if _is_every_interface(host):
                 raise ValueError(f"refusing to bind {addr} on every interface: bind the node's "
                                  "cluster address (GRAMSYNC_HOST_IP)")
             if port == "0":

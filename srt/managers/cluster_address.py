@@ -6,11 +6,15 @@ routes to node 0. ``GRAMSYNC_HOST_IP`` overrides both.
 """
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 import socket
 from typing import Optional
 
 from srt import environ
+
+logger = logging.getLogger(__name__)
 
 
 def reachable_ip(peer: str) -> str:
@@ -27,7 +31,14 @@ def reachable_ip(peer: str) -> str:
 def node0_address(node0_host: str) -> str:
     """Node 0's own cluster address: GRAMSYNC_HOST_IP, else ``node0_host`` as an IP."""
     explicit = environ.GRAMSYNC_HOST_IP.get()
-    return explicit or socket.gethostbyname(node0_host)
+    if explicit:
+        return explicit
+    addr = socket.gethostbyname(node0_host)
+    if ipaddress.ip_address(addr).is_loopback and addr != node0_host:
+        logger.warning("node 0's address %s resolves to the loopback address %s: other machines "
+                       "cannot reach node 0's sockets there; set GRAMSYNC_HOST_IP or give "
+                       "--dist-init-addr as an IP", node0_host, addr)
+    return addr
 
 
 def this_node_address(init_method: str) -> Optional[str]:

@@ -76,6 +76,10 @@ class BaseGrammarObject:
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         raise NotImplementedError
 
+    def has_error(self) -> bool:
+        """The matcher reached a dead end it reports itself (llguidance) after a fill."""
+        return False
+
     def mask_source(self) -> "BaseGrammarObject":
         """The object whose ``mask_filler`` fills this row (wrappers return the inner one)."""
         return self
@@ -110,6 +114,21 @@ class InvalidGrammarObject(BaseGrammarObject):
         return self
 
 
+NO_OUTPUT_MESSAGE = (
+    "The {kind} grammar admits no output: no token can start a matching text (for example a "
+    "schema that only refers to itself, or constraints that contradict each other).")
+
+
+def allows_no_token(grammar: BaseGrammarObject, vocab_size: int) -> bool:
+    """Does a fresh matcher of ``grammar`` allow no token at all (not even EOS)?"""
+    probe = grammar.copy()
+    if probe.is_terminated():
+        return False
+    mask = probe.allocate_vocab_mask(vocab_size, 1, "cpu")
+    probe.fill_vocab_mask(mask, 0)
+    return not bool(mask.any()) or probe.has_error()
+
+
 def clean_error(e: BaseException) -> str:
     """A library exception as one readable line for the user's 400."""
     text = _CPP_PREFIX.sub("", str(e).strip()) or type(e).__name__
@@ -122,6 +141,9 @@ class BaseGrammarBackend:
     bad spec); everything else -- pool, cache, failures, stats -- lives here."""
 
     name = "base"
+    # Set by create_grammar_backend: each compiled grammar is then probed once, and one
+    # that allows no token at its start (it admits no output at all) is a compile failure.
+    vocab_size: Optional[int] = None
 
     def __init__(self, num_threads: int = 2, cache_size: int = 1024) -> None:
         self.executor = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile")
@@ -144,6 +166,8 @@ class BaseGrammarBackend:
         start = time.perf_counter()
         try:
             value = self.dispatch(key)
+            if self.vocab_size is not None and allows_no_token(value, self.vocab_size):
+                value = InvalidGrammarObject(NO_OUTPUT_MESSAGE.format(kind=key[0]))
         except Exception as e:  # the library's reason goes to the user
             value = InvalidGrammarObject(f"Failed to compile {key[0]} grammar: {clean_error(e)}")
         value.stats.compile_time = time.perf_counter() - start

@@ -99,6 +99,9 @@ class GuidanceGrammar(BaseGrammarObject):
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         llguidance.torch.fill_next_token_bitmask(self.matcher, vocab_mask, idx)
 
+    def has_error(self) -> bool:
+        return self.matcher.is_error()
+
     def copy(self) -> "GuidanceGrammar":
         twin = GuidanceGrammar(self.matcher.deep_copy(), self.mask_filler)
         twin.stats.dispatch_type = self.stats.dispatch_type

@@ -45,6 +45,9 @@ class ReasonerGrammarObject(BaseGrammarObject):
         else:
             self.grammar.fill_vocab_mask(vocab_mask, idx)
 
+    def has_error(self) -> bool:
+        return not self.is_in_reasoning and self.grammar.has_error()
+
     def mask_source(self) -> BaseGrammarObject:
         return self.grammar.mask_source()  # asked only for rows past the think end
 

@@ -64,4 +64,5 @@ def create_grammar_backend(server_args, tokenizer, vocab_size: int,
     if server_args.reasoning_parser:
         think_end = think_end_token_id(tokenizer, server_args.reasoning_parser)
         backend = ReasonerGrammarBackend(backend, think_end, config.num_threads, config.cache_size)
+    backend.vocab_size = vocab_size  # enables the no-output check after each compile
     return backend

@@ -20,6 +20,8 @@ from typing import Any, Optional
 
 import torch
 
+from constrained.json_depth import check_json_depth
+
 
 class CustomLogitProcessor(abc.ABC):
     """Subclass, define ``__call__``, and keep the class at module level of an importable
@@ -57,6 +59,7 @@ def _load(s: str) -> CustomLogitProcessor:
     # A pure cache keyed by the string: exceptions are not cached, so a later retry (after
     # installing the module, say) can still succeed.
     try:
+        check_json_depth(s, "custom_logit_processor")
         spec = json.loads(s)
     except (json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"custom_logit_processor is not valid JSON: {e}") from None

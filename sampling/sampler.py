@@ -5,15 +5,18 @@ sampling kernels; seeded rows always use the hashed (seed, position) uniforms so
 reproducible everywhere.
 
 Non-finite logits (NaN, +inf, or a row with no finite value at all) never crash the
-server: NaN becomes -inf, +inf a large finite value, an all -inf row uniform; the first
-occurrence is logged.
+server: NaN becomes -inf, +inf a large finite value, an all -inf row uniform (over the
+tokens its grammar mask allows, when it has one); the first occurrence is logged.
 """
 from __future__ import annotations
 
 import logging
 
+from typing import Optional
+
 import torch
 
+from constrained.bitmask_ops import unpack_bitmask
 from sampling import flashinfer_backend
 from sampling.sampling_batch_info import SamplingBatchInfo
 from sampling.seeded_random import row_uniforms
@@ -32,7 +35,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """int64 [B] token ids. ``logits`` (float32 [B, V]) may be modified in place;
         temperature is folded into the sort-free passes instead of a sweep over [B, V]."""
-        self.sanitize(logits)
+        self.sanitize(logits, info.vocab_mask)
         if info.is_all_greedy:
             return torch.argmax(logits, dim=-1)
         greedy_ids = torch.argmax(logits, dim=-1) if info.has_greedy else None
@@ -69,8 +72,11 @@ class Sampler:
             ws = self._workspace[key] = workspace_for(len(logits), logits.shape[1], logits.device)
         return ws
 
-    def sanitize(self, logits: torch.Tensor) -> None:
-        """Make every row samplable; a NaN anywhere or +inf makes the row max non-finite."""
+    def sanitize(self, logits: torch.Tensor, vocab_mask: Optional[torch.Tensor] = None) -> None:
+        """Make every row samplable; a NaN anywhere or +inf makes the row max non-finite.
+        A row left with no finite logit is sampled uniformly -- over the tokens its grammar
+        mask allows, if it has one, so a masked row never yields a forbidden token (a row
+        whose mask allows nothing is aborted by the scheduler; its token is never used)."""
         row_max = logits.amax(dim=-1)
         bad = ~torch.isfinite(row_max)
         if not bad.any():
@@ -79,7 +85,13 @@ class Sampler:
         sub = torch.nan_to_num(logits[rows], nan=float("-inf"), posinf=_LARGE_LOGIT,
                                neginf=float("-inf"))
         empty = sub.amax(dim=-1) == float("-inf")
-        sub[empty] = 0.0
+        if vocab_mask is not None and empty.any():
+            allowed = unpack_bitmask(vocab_mask[rows[empty]].cpu(), logits.shape[1]).to(logits.device)
+            uniform = torch.zeros_like(sub[empty]).masked_fill_(~allowed, float("-inf"))
+            uniform[~allowed.any(dim=-1)] = 0.0
+            sub[empty] = uniform
+        else:
+            sub[empty] = 0.0
         logits[rows] = sub
         if not self.warned_non_finite:
             self.warned_non_finite = True

@@ -21,6 +21,11 @@ from sampling.penaltylib import BatchedPenalizerOrchestrator
 from sampling.penaltylib.base import PenalizedRequest
 
 
+DEAD_END_MESSAGE = ("The constraint cannot be completed: after the output so far its grammar "
+                    "allows no token (for example a schema whose required property only refers "
+                    "to itself).")
+
+
 @dataclass
 class SamplingBatchInfo:
     temperatures: torch.Tensor  # [B, 1] float32 (1.0 for greedy rows)
@@ -50,9 +55,10 @@ class SamplingBatchInfo:
     need_top_p: bool = False
     need_min_p: bool = False
     _bias_index: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-    # Rows whose custom logit processor raised this step: (row, message); the scheduler
-    # aborts those requests only (see take_failed_rows).
-    failed_rows: list[tuple[int, str]] = field(default_factory=list)
+    # Rows to abort after this step, (row, message, HTTP status): a custom logit processor
+    # raised (500), or the grammar allows no token at all (400). The scheduler aborts those
+    # requests only (see take_failed_rows); their sampled token is never used.
+    failed_rows: list[tuple[int, str, int]] = field(default_factory=list)
 
     @classmethod
     def from_reqs(cls, reqs: Sequence[PenalizedRequest], vocab_size: int, device,
@@ -156,8 +162,18 @@ class SamplingBatchInfo:
                 group[2].append(i)
         for filler, grammars, idx in batched.values():
             filler.fill(grammars, buf, idx)
+        self._fail_dead_rows(buf, rows)
         self.vocab_mask = first.move_vocab_mask(buf, self.device)
         self.mask_fill_seconds = time.perf_counter() - start
+
+    def _fail_dead_rows(self, buf: torch.Tensor, rows: list[int]) -> None:
+        """A grammar that allows no token here (its row is all zero, or the library reports
+        a dead end) can never be completed: that request is aborted with a 400."""
+        idx = torch.tensor(rows, dtype=torch.int64)
+        empty = (buf.index_select(0, idx) == 0).all(dim=1).tolist()
+        for i, is_empty in zip(rows, empty):
+            if is_empty or self.grammars[i].has_error():
+                self.failed_rows.append((i, DEAD_END_MESSAGE, 400))
 
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
         """In place, in this order: penalties, vocab mask, logit bias, custom processors."""
@@ -197,10 +213,10 @@ class SamplingBatchInfo:
                 processor = CustomLogitProcessor.from_str(name)
                 logits[idx] = processor(logits[idx], [self.custom_params[i] for i in rows])
             except Exception as e:  # a buggy user processor must not take the server down
-                self.failed_rows += [(i, f"Custom logit processor failed: {type(e).__name__}: {e}")
+                self.failed_rows += [(i, f"Custom logit processor failed: {type(e).__name__}: {e}", 500)
                                      for i in rows]
 
-    def take_failed_rows(self) -> dict[int, str]:
-        """Rows to abort after this step (their processor raised), cleared on read."""
-        failed, self.failed_rows = dict(self.failed_rows), []
+    def take_failed_rows(self) -> dict[int, tuple[str, int]]:
+        """Rows to abort after this step: row -> (message, HTTP status); cleared on read."""
+        failed, self.failed_rows = {i: (m, code) for i, m, code in self.failed_rows}, []
         return failed

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
+from constrained.json_depth import check_json_depth
+
 _GREEDY_EPS = 1e-6
 _MAX_SEED = 2**63 - 1
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
@@ -175,6 +177,7 @@ def _canonical_json(name: str, value: Any) -> str:
     """An object or JSON text -> compact JSON text, so equal specs share one cache entry.
     Key order is kept: it decides the order in which properties are generated."""
     if isinstance(value, str):
+        check_json_depth(value, name)  # before any recursive parsing
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:

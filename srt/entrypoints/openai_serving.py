@@ -18,6 +18,7 @@ from srt.entrypoints.openai_protocol import (
     ChatCompletionStreamChoice, ChatMessageOut, CompletionChoice, CompletionRequest,
     CompletionResponse, DeltaMessage, UsageInfo, error_body, validation_error_message,
 )
+from constrained.json_depth import check_json_depth
 from srt.managers.generate_input import check_fits_context
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.security.http_guard import read_body_limited
@@ -47,6 +48,7 @@ async def read_json(request: Request) -> Any:
 
 
 def _parse_json(body: bytes) -> Any:
+    check_json_depth(body)  # a 400 before any recursive parsing or validation
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

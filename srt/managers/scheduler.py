@@ -238,12 +238,14 @@ class Scheduler:
         info.cumulate_output_tokens(next_ids)
         failed = info.take_failed_rows()
         for i, (r, tok) in enumerate(zip(reqs, next_ids.tolist())):
-            if i not in failed:
+            if i not in failed:  # a failed row's token is never used
                 r.output_ids.append(tok)
-                failed[i] = self._accept_into_grammar(r, tok)
+                message = self._accept_into_grammar(r, tok)
+                failed[i] = None if message is None else (message, 500)
             if failed[i] is not None:
-                logger.warning("%s aborting %s: %s", self.rank_info.log_prefix, r.rid, failed[i])
-                r.finished_reason = FinishReason("abort", message=failed[i], status_code=500)
+                message, status = failed[i]
+                logger.warning("%s aborting %s: %s", self.rank_info.log_prefix, r.rid, message)
+                r.finished_reason = FinishReason("abort", message=message, status_code=status)
             else:
                 r.check_finished(self.tokenizer)
             if r.finished:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from constrained.json_depth import check_json_depth
+from constrained.json_input import check_json_depth
 
 
 class CustomLogitProcessor(abc.ABC):

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
-from constrained.json_depth import check_json_depth
+from constrained.json_input import load_json_text, lone_surrogate_path
 
 _GREEDY_EPS = 1e-6
 _MAX_SEED = 2**63 - 1
@@ -108,6 +109,11 @@ class SamplingParams:
                      "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}.")
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+            if abs(getattr(self, name)) >= 2**63:
+                raise ValueError(f"{name} must fit in 64 bits, got {getattr(self, name)}.")
+        if any(abs(t) >= 2**63 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must fit in 64 bits.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -177,11 +183,10 @@ def _canonical_json(name: str, value: Any) -> str:
     """An object or JSON text -> compact JSON text, so equal specs share one cache entry.
     Key order is kept: it decides the order in which properties are generated."""
     if isinstance(value, str):
-        check_json_depth(value, name)  # before any recursive parsing
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not valid JSON: {e}") from None
+        value = load_json_text(value, name)  # depth, errors and surrogates checked
+    elif lone_surrogate_path(value) is not None:
+        raise ValueError(f"{name} contains a lone UTF-16 surrogate at "
+                         f"{lone_surrogate_path(value)}: strings must be valid Unicode.")
     if name == "json_schema" and not isinstance(value, (Mapping, bool)):
         raise ValueError(f"json_schema must be a JSON object, got {type(value).__name__}")
     if name == "structural_tag" and not isinstance(value, Mapping):
@@ -211,7 +216,7 @@ def _parse_logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
     for key, bias in raw.items():
         if _is_int(key):
             tok = key
-        elif isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        elif isinstance(key, str) and _DECIMAL.fullmatch(key.strip()):
             tok = int(key)
         else:
             raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
@@ -219,6 +224,9 @@ def _parse_logit_bias(raw: Any) -> tuple[tuple[int, float], ...]:
             raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {key}")
         out[tok] = float(bias)
     return tuple(sorted(out.items()))
+
+
+_DECIMAL = re.compile(r"-?[0-9]{1,18}")
 
 
 def _is_int(v: Any) -> bool:

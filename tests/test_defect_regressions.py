@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from constrained.bitmask_ops import allocate_token_bitmask
-from constrained.json_depth import JsonTooDeep, check_json_depth, json_depth
+from constrained.json_input import JsonTooDeep, check_json_depth, json_depth
 from sampling.sampler import Sampler
 
 pytestmark = pytest.mark.timeout(240)

@@ -9,7 +9,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.entrypoints.openai_protocol import ModelCard, ModelList
+from srt.entrypoints.openai_protocol import ModelCard, ModelList, error_body
 from srt.entrypoints.openai_serving import (
     SSE_DONE, OpenAIServing, abort_error, error_response, last_output_or_disconnect, read_json, sse,
 )
@@ -102,7 +102,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
         rids = list(t.rid_to_state) if body.get("abort_all") is True else [body["rid"]]
         found = [rid for rid in rids if rid in t.rid_to_state]
         for rid in found:
-            t.abort_request(rid)
+            t.abort_request(rid, "Request aborted by an administrator (/abort_request).")
         if not found and body.get("abort_all") is not True:
             return error_response(f"No request with id {body['rid']!r} is running.", 404)
         return JSONResponse({"aborted": found})
@@ -117,9 +117,12 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
         if req.stream:
             async def stream():
                 # aclosing: a client disconnect closes this generator -> abort in scheduler.
-                async with contextlib.aclosing(t.generate_request(req)) as outputs:
-                    async for out in outputs:
-                        yield sse(out)
+                try:
+                    async with contextlib.aclosing(t.generate_request(req)) as outputs:
+                        async for out in outputs:
+                            yield sse(out)
+                except ValueError as e:  # after the headers: an error event, never a cut
+                    yield sse(error_body(str(e)))
                 yield SSE_DONE
 
             return StreamingResponse(stream(), media_type="text/event-stream")

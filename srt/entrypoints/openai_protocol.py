@@ -173,6 +173,15 @@ class ChatCompletionRequest(_SamplingRequest):
     store: Optional[bool] = None
     service_tier: Optional[str] = None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_template_kwargs(cls, v):
+        bad = sorted(set(v or {}) & RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)}: only the chat "
+                             "template's own variables (e.g. enable_thinking) are allowed")
+        return v
+
     def requires_reasoning(self, reasoning_parser: Optional[str]) -> bool:
         """Does the model think before answering (so the constraint starts later)?
         deepseek-r1 always does; qwen3 unless ``chat_template_kwargs.enable_thinking`` is
@@ -326,9 +335,21 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+_EXTRA_PHRASES = {499: "Client Closed Request"}
+# apply_chat_template's own parameters: a client must not set them (or supply a template).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenizer", "chat_template", "tokenize", "return_dict",
+    "add_generation_prompt", "continue_final_message", "return_tensors", "padding",
+    "truncation", "max_length", "return_assistant_tokens_mask", "tools", "documents"})
+
+
 def error_body(message: str, status_code: int = 400, param: Optional[str] = None) -> dict:
     """OpenAI/vLLM error shape: {"error": {"message", "type", "param", "code"}}."""
-    kind = "".join(w.capitalize() for w in HTTPStatus(status_code).phrase.split()) + "Error"
+    try:
+        phrase = HTTPStatus(status_code).phrase
+    except ValueError:  # non-standard codes, e.g. 499 (client closed / aborted)
+        phrase = _EXTRA_PHRASES.get(status_code, "Request Error")
+    kind = "".join(w.capitalize() for w in phrase.split()) + "Error"
     kind = kind.replace("ErrorError", "Error")
     return ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=status_code)).model_dump()
 

@@ -18,7 +18,7 @@ from srt.entrypoints.openai_protocol import (
     ChatCompletionStreamChoice, ChatMessageOut, CompletionChoice, CompletionRequest,
     CompletionResponse, DeltaMessage, UsageInfo, error_body, validation_error_message,
 )
-from constrained.json_depth import check_json_depth
+from srt.entrypoints.json_body import parse_json_body
 from srt.managers.generate_input import check_fits_context
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.security.http_guard import read_body_limited
@@ -43,16 +43,8 @@ async def read_json(request: Request) -> Any:
     body is parsed on a worker thread so the event loop keeps serving others."""
     body = await read_body_limited(request, request.app.state.http_guard.max_request_bytes)
     if len(body) > OFFLOOP_BODY_BYTES:
-        return await asyncio.to_thread(_parse_json, body)
-    return _parse_json(body)
-
-
-def _parse_json(body: bytes) -> Any:
-    check_json_depth(body)  # a 400 before any recursive parsing or validation
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"Malformed JSON body: {e}") from None
+        return await asyncio.to_thread(parse_json_body, body)
+    return parse_json_body(body)
 
 
 async def last_output_or_disconnect(request: Request, outputs: AsyncIterator[dict]) -> Optional[dict]:
@@ -78,6 +70,16 @@ async def last_output_or_disconnect(request: Request, outputs: AsyncIterator[dic
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def _errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Once a stream has started, a user error becomes an SSE error event, never a cut."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+    except ValueError as e:
+        yield sse(error_body(str(e)))
 
 
 def abort_error(finish_reason: dict) -> JSONResponse:
@@ -164,6 +166,11 @@ class OpenAIServing:
             ))
 
         yield chunk(DeltaMessage(role="assistant", content=""))
+        async for event in _errors_as_events(self._chat_events(req, chunk, created, model, include_usage)):
+            yield event
+        yield SSE_DONE
+
+    async def _chat_events(self, req, chunk, created: int, model: str, include_usage: bool):
         sent, last = "", None
         async with contextlib.aclosing(self.tm.generate_request(req)) as outputs:
             async for out in outputs:
@@ -179,7 +186,6 @@ class OpenAIServing:
                     if include_usage:
                         yield sse(ChatCompletionChunk(id=f"chatcmpl-{req.rid}", created=created, model=model,
                                                       choices=[], usage=_usage(last["meta_info"])))
-        yield SSE_DONE
 
     async def completions(self, request: Request) -> Response:
         body, err = await self._parse(request, CompletionRequest)
@@ -208,22 +214,27 @@ class OpenAIServing:
         return JSONResponse(resp.model_dump())
 
     async def _completion_stream(self, req, model: str, include_usage: bool) -> AsyncIterator[str]:
-        created, sent = int(time.time()), ""
+        created = int(time.time())
 
         def chunk(text: str, reason=None, matched=None, usage=None, choices=True) -> str:
             ch = [CompletionChoice(text=text, finish_reason=reason, matched_stop=matched)] if choices else []
             return sse(CompletionResponse(id=f"cmpl-{req.rid}", created=created, model=model,
                                           choices=ch, usage=usage))
 
-        async with contextlib.aclosing(self.tm.generate_request(req)) as outputs:
-            async for out in outputs:
-                fr = out["meta_info"]["finish_reason"]
-                if fr is not None and fr["type"] == "abort":
-                    yield sse(error_body(fr.get("message") or "Request aborted.", fr.get("status_code") or 500))
-                    break
-                delta, sent = out["text"][len(sent):], out["text"]
-                if delta or fr is not None:
-                    yield chunk(delta, *_finish(fr))
-                if fr is not None and include_usage:
-                    yield chunk("", usage=_usage(out["meta_info"]), choices=False)
+        async def events():
+            sent = ""
+            async with contextlib.aclosing(self.tm.generate_request(req)) as outputs:
+                async for out in outputs:
+                    fr = out["meta_info"]["finish_reason"]
+                    if fr is not None and fr["type"] == "abort":
+                        yield sse(error_body(fr.get("message") or "Request aborted.", fr.get("status_code") or 500))
+                        break
+                    delta, sent = out["text"][len(sent):], out["text"]
+                    if delta or fr is not None:
+                        yield chunk(delta, *_finish(fr))
+                    if fr is not None and include_usage:
+                        yield chunk("", usage=_usage(out["meta_info"]), choices=False)
+
+        async for event in _errors_as_events(events()):
+            yield event
         yield SSE_DONE

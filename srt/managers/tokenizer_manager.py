@@ -79,11 +79,26 @@ class TokenizerManager:
 
     def prepare_request(self, obj: GenerateReqInput) -> TokenizedGenerateReq:
         """Validate and tokenize; every user error is a ValueError raised here, before
-        anything reaches the scheduler."""
-        return prepare_request(obj, self.tokenizer, self.scheduler_info,
-                               enable_custom_logit_processor=self.server_args.enable_custom_logit_processor,
-                               grammar_backend=self.server_args.grammar_backend,
-                               max_token_chars=self.max_token_chars)
+        anything reaches the scheduler (or a stream's first byte)."""
+        req = prepare_request(obj, self.tokenizer, self.scheduler_info,
+                              enable_custom_logit_processor=self.server_args.enable_custom_logit_processor,
+                              grammar_backend=self.server_args.grammar_backend,
+                              max_token_chars=self.max_token_chars)
+        try:  # what the wire cannot carry (an integer past 64 bits, ...) is the user's error
+            SCHEDULER_INPUT_CODEC.encode(req)
+        except OverflowError:
+            raise ValueError("An integer in the request (in custom_params, say) is outside "
+                             "the 64-bit range: integers must be in [-2**63, 2**64).") from None
+        except (TypeError, ValueError):
+            raise ValueError("The request holds a value that cannot be sent to the scheduler: "
+                             "strings must be valid Unicode (no lone surrogates) and values "
+                             "plain JSON.") from None
+        self.check_new_rid(req.rid)
+        return req
+
+    def check_new_rid(self, rid: str) -> None:
+        if rid in self.rid_to_state:
+            raise ValueError(f"Duplicate request id {rid!r}: it is still running.")
 
     async def prepare_request_async(self, obj: GenerateReqInput) -> TokenizedGenerateReq:
         """``prepare_request``; a large text is tokenized on a worker thread, so other
@@ -133,11 +148,11 @@ class TokenizerManager:
                 with contextlib.suppress(zmq.ZMQError):  # already closed at shutdown
                     self._send(state.dp_rank, AbortReq(req.rid))
 
-    def abort_request(self, rid: str) -> None:
+    def abort_request(self, rid: str, message: Optional[str] = None) -> None:
         """Ask the scheduler to abort ``rid``; it answers with an abort finish reason."""
         state = self.rid_to_state.get(rid)
         if state is not None:
-            self._send(state.dp_rank, AbortReq(rid))
+            self._send(state.dp_rank, AbortReq(rid) if message is None else AbortReq(rid, message))
 
     def _send(self, dp_rank: int, msg) -> None:
         self._sends[dp_rank].send(SCHEDULER_INPUT_CODEC.encode(msg), copy=False)

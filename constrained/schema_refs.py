@@ -2,8 +2,9 @@
 
 A ``$ref`` to a URL or a file would make the server fetch (or read) something the client
 chose: server-side request forgery, local file disclosure, and a compile that waits on
-the network. Checked in the frontend (a 400 before anything is queued) and again in every
-grammar backend's dispatch, so plugins and offline callers are covered too.
+the network. Checked where the frontend parses a schema (``SamplingParams``: a 400 before
+anything is queued) and again in every grammar backend's dispatch, so plugins and
+callers that build specs themselves are covered too.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from constrained.json_input import check_json_depth
+from constrained.json_input import load_json_text
 
 
 class CustomLogitProcessor(abc.ABC):
@@ -59,9 +59,8 @@ def _load(s: str) -> CustomLogitProcessor:
     # A pure cache keyed by the string: exceptions are not cached, so a later retry (after
     # installing the module, say) can still succeed.
     try:
-        check_json_depth(s, "custom_logit_processor")
-        spec = json.loads(s)
-    except (json.JSONDecodeError, TypeError) as e:
+        spec = load_json_text(s, "custom_logit_processor")  # depth, errors, surrogates
+    except TypeError as e:
         raise ValueError(f"custom_logit_processor is not valid JSON: {e}") from None
     target = spec.get("callable") if isinstance(spec, dict) else None
     if not isinstance(target, str):

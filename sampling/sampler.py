@@ -11,7 +11,6 @@ tokens its grammar mask allows, when it has one); the first occurrence is logged
 from __future__ import annotations
 
 import logging
-
 from typing import Optional
 
 import torch

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 from constrained.json_input import load_json_text, lone_surrogate_path
+from constrained.schema_refs import check_no_external_refs
 
 _GREEDY_EPS = 1e-6
 _MAX_SEED = 2**63 - 1
@@ -184,9 +185,12 @@ def _canonical_json(name: str, value: Any) -> str:
     Key order is kept: it decides the order in which properties are generated."""
     if isinstance(value, str):
         value = load_json_text(value, name)  # depth, errors and surrogates checked
-    elif lone_surrogate_path(value) is not None:
-        raise ValueError(f"{name} contains a lone UTF-16 surrogate at "
-                         f"{lone_surrogate_path(value)}: strings must be valid Unicode.")
+    else:
+        where = lone_surrogate_path(value)
+        if where is not None:
+            raise ValueError(f"{name} contains a lone UTF-16 surrogate at {where}: strings "
+                             "must be valid Unicode.")
+    check_no_external_refs(value, name)  # a 400 before anything is queued
     if name == "json_schema" and not isinstance(value, (Mapping, bool)):
         raise ValueError(f"json_schema must be a JSON object, got {type(value).__name__}")
     if name == "structural_tag" and not isinstance(value, Mapping):

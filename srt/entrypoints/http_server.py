@@ -9,9 +9,10 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.entrypoints.openai_protocol import ModelCard, ModelList, error_body
+from srt.entrypoints.openai_protocol import ModelCard, ModelList
 from srt.entrypoints.openai_serving import (
-    SSE_DONE, OpenAIServing, abort_error, error_response, last_output_or_disconnect, read_json, sse,
+    SSE_DONE, OpenAIServing, abort_error, error_response, errors_as_events, last_output_or_disconnect,
+    read_json, sse,
 )
 from srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
 from srt.security.http_guard import HttpGuard, HttpGuardConfig, RequestTooLarge
@@ -115,14 +116,15 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
         except ValueError as e:
             return error_response(str(e))
         if req.stream:
-            async def stream():
+            async def outputs():
                 # aclosing: a client disconnect closes this generator -> abort in scheduler.
-                try:
-                    async with contextlib.aclosing(t.generate_request(req)) as outputs:
-                        async for out in outputs:
-                            yield sse(out)
-                except ValueError as e:  # after the headers: an error event, never a cut
-                    yield sse(error_body(str(e)))
+                async with contextlib.aclosing(t.generate_request(req)) as outs:
+                    async for out in outs:
+                        yield sse(out)
+
+            async def stream():
+                async for event in errors_as_events(outputs()):
+                    yield event
                 yield SSE_DONE
 
             return StreamingResponse(stream(), media_type="text/event-stream")

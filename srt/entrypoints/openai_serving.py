@@ -72,7 +72,7 @@ async def last_output_or_disconnect(request: Request, outputs: AsyncIterator[dic
                 await task
 
 
-async def _errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """Once a stream has started, a user error becomes an SSE error event, never a cut."""
     try:
         async with contextlib.aclosing(events):
@@ -166,7 +166,7 @@ class OpenAIServing:
             ))
 
         yield chunk(DeltaMessage(role="assistant", content=""))
-        async for event in _errors_as_events(self._chat_events(req, chunk, created, model, include_usage)):
+        async for event in errors_as_events(self._chat_events(req, chunk, created, model, include_usage)):
             yield event
         yield SSE_DONE
 
@@ -235,6 +235,6 @@ class OpenAIServing:
                     if fr is not None and include_usage:
                         yield chunk("", usage=_usage(out["meta_info"]), choices=False)
 
-        async for event in _errors_as_events(events()):
+        async for event in errors_as_events(events()):
             yield event
         yield SSE_DONE

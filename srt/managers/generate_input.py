@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from constrained.grammar_manager import DISABLED_MESSAGE
-from constrained.schema_refs import check_no_external_refs
 from sampling.custom_logit_processor import validate_custom_logit_processor
 from sampling.sampling_params import SamplingParams
 from srt.managers.io_struct import SchedulerInfo, TokenizedGenerateReq
@@ -76,9 +75,6 @@ def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
     params = SamplingParams.from_dict(sp)
     vocab = info.vocab_size
     params.verify(vocab)
-    for kind in ("json_schema", "structural_tag"):
-        if getattr(params, kind) is not None:
-            check_no_external_refs(getattr(params, kind), kind)
     if params.constraint is not None and grammar_backend == "none":
         # Never ignore a constraint silently: the output would not follow it.
         raise ValueError(DISABLED_MESSAGE.format(kind=params.constraint[0]))

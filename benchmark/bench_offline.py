@@ -1,22 +1,31 @@
-"""Offline throughput: gramsync Engine vs transformers `generate`, same model, same run.
+"""Offline speed: gramsync vs transformers `generate`, same model, same dtype, same run.
 
     .venv/bin/python benchmark/bench_offline.py [--num-prompts 64] [--max-new-tokens 128]
-        [--concurrency 32] [--repeats 1]
+        [--concurrency 32] [--breakdown 1,8,32,64] [--dtype auto] [--json out.json]
+        [--torchao-config int8wo] [--disable-torch-compile]
 
-Both sides run the same chat prompts greedily (ignore_eos / min_new_tokens), transformers
-in left-padded static batches of --concurrency, ours with --max-running-requests equal to
---concurrency, in the same dtype. Two workloads: "uniform" (every request produces
---max-new-tokens tokens: static batching's best case) and "mixed" (requests ask for 8 to
---max-new-tokens tokens, as real traffic does). Prints useful tokens/s and the ratio for
-each, plus batch-1 time per output token.
+1. Machine: CPU flags, dtype, threads, and this run's physical floors (read bandwidth,
+   matmul peak) -> the model's decode floors (machine_floor.py).
+2. Per-step breakdown of ours at each --breakdown concurrency (step_breakdown.py): the
+   served decode step (compiled where it is) split into forward / sampling / grammar /
+   scheduler, its ratio to the floor, and the eager forward's attention / linear / other.
+3. Throughput through the Engine (scheduler processes + IPC + detokenizer), greedy,
+   ignore_eos, vs transformers in left-padded static batches of --concurrency: "uniform"
+   (every request makes --max-new-tokens: static batching's best case) and "mixed" (8 to
+   --max-new-tokens, as real traffic asks); plus batch-1 time per output token. The
+   difference between the Engine's batch-1 step and the in-process one is IPC + frontend.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 import torch
+
+import machine_floor
+import step_breakdown
 
 TOPICS = ["the ocean", "compilers", "bread baking", "black holes", "chess openings",
           "honey bees", "the Roman empire", "solar panels", "jazz", "volcanoes",
@@ -31,14 +40,15 @@ def chat_prompts(n: int) -> list[list[dict]]:
             for i in range(n)]
 
 
-def bench_ours(model_path, prompts_ids, workloads, concurrency, repeats, dtype):
+def bench_ours(model_path, prompts_ids, workloads, concurrency, repeats, dtype, server_kwargs):
     """workloads: name -> per-prompt new-token counts. Returns ({name: tok/s}, batch-1 TPOT)."""
     from srt import Engine
 
     longest = max(max(w) for w in workloads.values())
     rates = {}
     with Engine(model_path=model_path, max_running_requests=concurrency, dtype=dtype,
-                max_total_tokens=concurrency * (longest + 128) + 512) as eng:
+                max_total_tokens=concurrency * (longest + 128) + 512, wait_for_torch_compile=True,
+                **server_kwargs) as eng:
         eng.generate(prompts_ids[:2], {"max_new_tokens": 4})  # warm-up
         for name, lengths in workloads.items():
             params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in lengths]
@@ -50,7 +60,7 @@ def bench_ours(model_path, prompts_ids, workloads, concurrency, repeats, dtype):
                             / (time.perf_counter() - t))
             rates[name] = statistics.median(runs)
         t = time.perf_counter()
-        o = eng.generate(prompts_ids[0], {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True})
+        o = eng.generate(prompts_ids[0], {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True})
         tpot = (time.perf_counter() - t) / o["meta_info"]["completion_tokens"]
     return rates, tpot
 
@@ -82,53 +92,100 @@ def bench_hf(model_dir, prompts_ids, workloads, concurrency, repeats, pad_id, dt
             runs.append(sum(lengths) / (time.perf_counter() - t))
         rates[name] = statistics.median(runs)
     t = time.perf_counter()
-    run(prompts_ids[:1], 32)
-    return rates, (time.perf_counter() - t) / 32
+    run(prompts_ids[:1], 64)
+    return rates, (time.perf_counter() - t) / 64
+
+
+def print_breakdown(rows, floors) -> None:
+    print("\nper decode step, ms (in-process scheduler; served path; eager forward split by hooks)")
+    print(f"{'conc':>5}{'step':>8}{'floor':>8}{'x floor':>8}{'forward':>9}{'sampling':>9}{'grammar':>8}"
+          f"{'sched':>7} |{'eager':>7}{'attn':>7}{'linear':>8}{'other':>7}")
+    for r in rows:
+        c, p, e = r["concurrency"], r["phases_ms"], r["eager_forward_ms"]
+        floor = max(floors["batch1_ms"], floors["compute_ms_per_row"] * c)
+        r["floor_ms"], r["x_floor"] = floor, r["step_ms"] / floor
+        print(f"{c:>5}{r['step_ms']:>8.1f}{floor:>8.1f}{r['x_floor']:>8.2f}{p['forward']:>9.1f}"
+              f"{p['sampling']:>9.2f}{p['grammar']:>8.2f}{p['scheduler']:>7.2f} |{r['eager_step_ms']:>7.1f}"
+              f"{e['attention']:>7.1f}{e['linear']:>8.1f}{e['other']:>7.1f}")
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--breakdown", default="1,8,32,64", help="concurrencies for the step breakdown ('' skips)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="same dtype for both sides (auto: what the server would pick)")
+    ap.add_argument("--torchao-config", default=None)
+    ap.add_argument("--disable-torch-compile", action="store_true")
     ap.add_argument("--skip-hf", action="store_true", help="only run gramsync")
+    ap.add_argument("--skip-throughput", action="store_true", help="floors and breakdown only")
+    ap.add_argument("--json", default=None, help="write every figure to this file")
     args = ap.parse_args()
+    torch.set_grad_enabled(False)
 
     from srt.model_loader import resolve_model_path
+    from srt.model_runner import resolve_dtype
+    from srt.server_args import ServerArgs
     from srt.tokenizer_utils import apply_chat_template, get_tokenizer
 
     model_dir = resolve_model_path(args.model_path)
     tok = get_tokenizer(model_dir)
     prompts_ids = [apply_chat_template(tok, m) for m in chat_prompts(args.num_prompts)]
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-    from srt.model_runner import resolve_dtype
-    from srt.server_args import ServerArgs
-
     dtype = str(resolve_dtype(ServerArgs(dtype=args.dtype), "cpu")).removeprefix("torch.")
-    n, m = args.num_prompts, args.max_new_tokens
-    workloads = {
-        "uniform": [m] * n,  # static batching's best case: every request equally long
-        "mixed": [8 + (i * 37) % (m - 7) for i in range(n)],  # lengths 8..m, as in serving
-    }
-    ours, ours_tpot = bench_ours(model_dir, prompts_ids, workloads, args.concurrency,
-                                 args.repeats, dtype)
-    print(f"prompts={n} max_new_tokens={m} dtype={dtype} concurrency={args.concurrency} "
-          f"threads={torch.get_num_threads()} repeats={args.repeats} (medians)")
-    if args.skip_hf:
-        print(f"gramsync {ours} tok/s, batch-1 TPOT {ours_tpot * 1000:.1f} ms")
-        return
-    hf, hf_tpot = bench_hf(model_dir, prompts_ids, workloads, args.concurrency, args.repeats,
-                           pad_id, dtype)
-    for name in workloads:
-        print(f"throughput {name:8s} gramsync {ours[name]:7.1f} tok/s   transformers "
-              f"{hf[name]:7.1f} tok/s   ratio {ours[name] / hf[name]:.2f}x")
-    print(f"batch-1 TPOT       gramsync {ours_tpot * 1000:7.1f} ms      transformers "
-          f"{hf_tpot * 1000:7.1f} ms      ratio {hf_tpot / ours_tpot:.2f}x (higher: gramsync faster)")
+    server_kwargs = {"torchao_config": args.torchao_config,
+                     "disable_torch_compile": args.disable_torch_compile}
+    report = {"args": vars(args), "dtype": dtype, "threads": torch.get_num_threads(),
+              "cpu": machine_floor.cpu_model(), "cpu_flags": machine_floor.cpu_flags()}
+    bw = machine_floor.read_bandwidth_gbs()
+    peak = machine_floor.matmul_peak_gflops(getattr(torch, dtype))
+    report.update(read_gbs=bw, matmul_gflops=peak)
+    print(f"cpu={report['cpu']} flags={report['cpu_flags']} dtype={dtype} threads={report['threads']} "
+          f"torchao={args.torchao_config} compile={not args.disable_torch_compile}")
+    print(f"floors: read {bw:.1f} GB/s, {dtype} matmul {peak:.0f} GFLOP/s")
+
+    levels = [int(c) for c in args.breakdown.split(",") if c]
+    if levels:
+        sched = step_breakdown.make_scheduler(model_dir, dtype, max(levels), **server_kwargs)
+        floors = machine_floor.model_floors(sched.runner.model, getattr(torch, dtype), bw, peak)
+        print(f"model: {floors['weight_bytes'] / 1e6:.0f} MB of weights -> batch-1 floor "
+              f"{floors['batch1_ms']:.1f} ms; {floors['per_row_gflop']:.2f} GFLOP per token -> "
+              f"{floors['compute_ms_per_row']:.2f} ms per row of a batch")
+        report["floors"] = floors
+        report["breakdown"] = [step_breakdown.breakdown(sched, prompts_ids, c, 48) for c in levels]
+        print_breakdown(report["breakdown"], floors)
+        del sched
+    if not args.skip_throughput:
+        n, m = args.num_prompts, args.max_new_tokens
+        workloads = {"uniform": [m] * n, "mixed": [8 + (i * 37) % (m - 7) for i in range(n)]}
+        ours, ours_tpot = bench_ours(model_dir, prompts_ids, workloads, args.concurrency,
+                                     args.repeats, dtype, server_kwargs)
+        report["ours"] = {"tok_s": ours, "batch1_tpot_ms": 1e3 * ours_tpot}
+        one = next((r for r in report.get("breakdown", []) if r["concurrency"] == 1), None)
+        if one is not None:  # same step through processes, ZMQ and the detokenizer
+            report["ipc_frontend_ms_per_step"] = 1e3 * ours_tpot - one["step_ms"]
+            print(f"
+IPC + frontend per batch-1 step: {report['ipc_frontend_ms_per_step']:.1f} ms "
+                  f"(Engine TPOT {1e3 * ours_tpot:.1f} - in-process step {one['step_ms']:.1f})")
+        print(f"\nprompts={n} max_new_tokens={m} concurrency={args.concurrency} repeats={args.repeats} (medians)")
+        if args.skip_hf:
+            print(f"gramsync {ours} tok/s, batch-1 TPOT {ours_tpot * 1000:.1f} ms")
+        else:
+            hf, hf_tpot = bench_hf(model_dir, prompts_ids, workloads, args.concurrency, args.repeats, pad_id, dtype)
+            report["transformers"] = {"tok_s": hf, "batch1_tpot_ms": 1e3 * hf_tpot}
+            for name in workloads:
+                print(f"throughput {name:8s} gramsync {ours[name]:7.1f} tok/s   transformers "
+                      f"{hf[name]:7.1f} tok/s   ratio {ours[name] / hf[name]:.2f}x")
+            print(f"batch-1 TPOT       gramsync {ours_tpot * 1000:7.1f} ms      transformers "
+                  f"{hf_tpot * 1000:7.1f} ms      ratio {ours_tpot / hf_tpot:.2f}x (lower: gramsync faster)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -97,6 +97,13 @@ GRAMSYNC_CLUSTER_SECRET = EnvVar(
     "--cluster-secret-file is not given; only its holders can use the cluster's ZMQ sockets.",
 )
 
+GRAMSYNC_TORCH_COMPILE_AUTO = EnvVar(
+    "GRAMSYNC_TORCH_COMPILE_AUTO", bool, True,
+    "What neither --enable-torch-compile nor --disable-torch-compile means: compile the "
+    "decode step where it measures faster (CPU, TP=1). The test suite sets 0 to skip "
+    "compiling in every server it starts.",
+)
+
 ALL_ENV_VARS: tuple[EnvVar, ...] = (
     SGLANG_REQ_WAITING_TIMEOUT,
     SGLANG_REQ_RUNNING_TIMEOUT,
@@ -111,6 +118,7 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     GRAMSYNC_API_KEY,
     GRAMSYNC_ADMIN_API_KEY,
     GRAMSYNC_CLUSTER_SECRET,
+    GRAMSYNC_TORCH_COMPILE_AUTO,
 )
 
 

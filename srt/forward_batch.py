@@ -3,10 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+if TYPE_CHECKING:
+    from srt.layers.attention.base import AttentionBackend
 
 
 class ForwardMode(Enum):
@@ -28,6 +32,10 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: MHATokenToKVPool
     return_all_logits: bool = False  # True: logits for every new token (tests); else last per seq
+    attn_backend: Optional["AttentionBackend"] = None  # set by the model runner
+    # Built once per step by the attention backend (DECODE): each row's KV slots, padded.
+    decode_kv_slots: Optional[torch.Tensor] = None  # [B, S] int64
+    decode_kv_valid: Optional[torch.Tensor] = None  # [B, S] bool
 
     @property
     def batch_size(self) -> int:

@@ -10,7 +10,11 @@ from distributed.communication import tp_min_int
 from distributed.parallel_state import RankInfo, TPGroup
 from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
-from srt.forward_batch import ForwardBatch
+from srt import environ
+from srt.compiled_decode import CompiledDecode
+from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.attention import create_attention_backend
+from srt.layers.quantization import apply_torchao_config
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_config import ModelConfig
 from srt.model_loader import load_model
@@ -53,12 +57,48 @@ class ModelRunner:
             self.device = f"cuda:{rank_info.local_rank}"
         self.dtype = resolve_dtype(server_args, self.device)
         self.model = load_model(model_config, tp, self.dtype, self.device)
+        if server_args.torchao_config:
+            apply_torchao_config(self.model, server_args.torchao_config, self.device)
         # Every rank of the TP group must allocate identically: take the group's minimum.
         self.max_total_num_tokens = tp_min_int(self._profile_max_num_tokens(), tp)
         self.max_running_requests = server_args.max_running_requests
         self.context_len = model_config.context_len
         self._init_memory_pool()
         self.sampler = Sampler(rank_info.log_prefix)
+        self.attn_backend = create_attention_backend(server_args.attention_backend, self.device)
+        self.compiled_decode = None
+        if self._want_compile():
+            self.compiled_decode = CompiledDecode(
+                self.model, min(server_args.torch_compile_max_bs, self.max_running_requests),
+                rank_info.log_prefix)
+            # TP=1: nobody to stay in step with, so serve eagerly while it compiles.
+            background = self.tp.is_single and not server_args.wait_for_torch_compile
+            self.compiled_decode.start(self._run_warm_up_step, background=background)
+
+    def _want_compile(self) -> bool:
+        args = self.server_args
+        if args.disable_torch_compile:
+            return False
+        if args.enable_torch_compile:
+            return True
+        # auto: measured faster on CPU at TP=1 (README "Speed"); CUDA graphs are not built yet.
+        return (environ.GRAMSYNC_TORCH_COMPILE_AUTO.get() and self.device == "cpu"
+                and self.tp.is_single)
+
+    def _run_warm_up_step(self, bs: int) -> None:
+        fb = self._warm_up_batch(bs)
+        self._prepare(fb)
+        self.compiled_decode(fb)
+
+    def _warm_up_batch(self, bs: int) -> ForwardBatch:
+        """A decode batch that writes only the dummy KV slot 0 (never a request's)."""
+        dev, seq = self.device, bs + 5  # seq != bs: Dynamo must not assume they are equal
+        zeros = torch.zeros(bs, dtype=torch.int64, device=dev)
+        lens = torch.full((bs,), seq, dtype=torch.int64, device=dev)
+        fb = ForwardBatch(ForwardMode.DECODE, zeros, zeros.clone(), zeros.clone(), zeros.clone(),
+                          lens, [seq] * bs, [1] * bs, [seq - 1] * bs, self.req_to_token_pool,
+                          self.token_to_kv_pool)
+        return fb  # row 0 of req_to_token is all zeros until a request uses it: slot 0 only
 
     def _kv_bytes_per_token(self) -> int:
         cfg = self.model_config
@@ -95,7 +135,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        self._prepare(fb)
+        compiled = self.compiled_decode
+        if fb.mode is ForwardMode.DECODE and compiled is not None and compiled.can_run(fb):
+            return compiled(fb)
         return self.model.forward(fb)
+
+    def _prepare(self, fb: ForwardBatch) -> None:
+        fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)  # once per step, outside the layers
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

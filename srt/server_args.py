@@ -13,6 +13,9 @@ def _f(default, help: str, choices: Optional[Sequence] = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     # Model and tokenizer
@@ -38,6 +41,13 @@ class ServerArgs:
     max_prefill_tokens: int = _f(8192, "Token budget of one prefill batch (a longer single prompt still runs alone).")
     stream_interval: int = _f(1, "Send stream chunks every this many decode steps.")
     random_seed: Optional[int] = _f(None, "Seed for unseeded sampling (default: random, shared by all ranks).")
+    # Speed (README "Speed")
+    attention_backend: str = _f("auto", "Attention kernels: torch_native (plain torch; the CPU backend) or triton (CUDA); auto picks by device.", ["auto", "torch_native", "triton"])
+    enable_torch_compile: bool = _f(False, "Compile the decode step with torch.compile even where the default would not (TP > 1: falls back to eager with a warning).")
+    disable_torch_compile: bool = _f(False, "Never compile; run every step eagerly (default: compile the decode step on CPU at TP=1, where it measures faster).")
+    wait_for_torch_compile: bool = _f(False, "Report ready only once the decode step is compiled (benchmarks). Default at TP=1: serve eagerly while it compiles in the background.")
+    torch_compile_max_bs: int = _f(64, "Largest decode batch run by the compiled step; larger batches run eagerly.")
+    torchao_config: Optional[str] = _f(None, "Weight-only quantization with torchao: int8wo, or int4wo-<group size> (32, 64, 128, 256).")
     # Sampling
     enable_custom_logit_processor: bool = _f(False, "Allow requests to carry a custom logit processor (a CustomLogitProcessor class importable on the server).")
     # Constrained generation
@@ -87,6 +97,13 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1)")
         if self.grammar_compile_threads < 1 or self.grammar_cache_size < 1:
             raise ValueError("--grammar-compile-threads and --grammar-cache-size must be at least 1")
+        if self.enable_torch_compile and self.disable_torch_compile:
+            raise ValueError("--enable-torch-compile and --disable-torch-compile exclude each other")
+        if self.torch_compile_max_bs < 1:
+            raise ValueError("--torch-compile-max-bs must be at least 1")
+        if self.torchao_config is not None and self.torchao_config not in TORCHAO_CONFIGS:
+            raise ValueError(f"--torchao-config must be one of {', '.join(TORCHAO_CONFIGS)} "
+                             f"(got {self.torchao_config!r})")
         if self.constrained_json_max_whitespace < 0:
             raise ValueError("--constrained-json-max-whitespace must be at least 0")
         if self.constrained_json_whitespace_pattern is not None and self.grammar_backend == "xgrammar":

@@ -12,6 +12,10 @@ import pytest
 
 from process_helpers import stop_process_group
 
+# Every server and Engine a test starts would otherwise compile its decode step in the
+# background (a minute of both cores each); tests of the compiled step ask for it explicitly.
+os.environ.setdefault("GRAMSYNC_TORCH_COMPILE_AUTO", "0")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_STARTUP_TIMEOUT_S = 150  # under the per-test timeouts (fixture setup counts)
 

@@ -27,6 +27,7 @@ from srt.managers.io_struct import AbortReq, BatchTokenOut, FinishReason, Tokeni
 from srt.managers.req import Req
 from srt.managers.schedule_batch import KVCacheManager
 from srt.managers.schedule_policy import PrefillAdder
+from srt.managers.step_stats import StepStats
 from srt.model_config import ModelConfig
 from srt.model_runner import ModelRunner
 from srt.server_args import ServerArgs
@@ -70,6 +71,8 @@ class Scheduler:
         # Token agreement (TP > 1, batches with grammars): rows where this rank's own
         # sample differed from the agreed one. Expected to stay 0; measured, not assumed.
         self.token_agreement_steps = self.token_mismatches = 0
+        self.step_stats = StepStats()  # per-phase seconds, for the benchmark breakdown
+        self._phase_seconds: tuple[float, ...] = ()
 
     # ---- input -----------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -154,15 +157,22 @@ class Scheduler:
 
     # ---- one iteration -----------------------------------------------------------------
     def step(self) -> list[BatchTokenOut]:
+        start = time.perf_counter()
         self._poll_grammars()
         touched = self.pending_outputs
         self.pending_outputs = []
         batch = self._get_next_batch_to_run()
-        if batch is not None:
-            mode, reqs = batch
-            self._run_batch(mode, reqs)
-            touched = touched + reqs
-        return self._make_outputs(touched)
+        if batch is None:
+            return self._make_outputs(touched)
+        mode, reqs = batch
+        self._run_batch(mode, reqs)
+        outputs = self._make_outputs(touched + reqs)
+        times = self.step_stats.mode(mode.name)
+        times.steps += 1
+        times.tokens += len(reqs)
+        # Whatever the timed phases did not take: batching, bookkeeping, outputs.
+        times.add("scheduler", time.perf_counter() - start - sum(self._phase_seconds))
+        return outputs
 
     def _poll_grammars(self) -> None:
         """Agreed-ready constrained requests join the waiting queue; agreed-failed ones end."""
@@ -214,7 +224,10 @@ class Scheduler:
         else:
             fb = self.kv.prepare_decode(reqs)
         self.batch_log.record(mode.name, (r.rid for r in reqs))
+        times = self.step_stats.mode(mode.name)
+        t0 = time.perf_counter()
         logits = self.runner.forward(fb)
+        t1 = time.perf_counter()
         if mode is ForwardMode.EXTEND:
             info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.runner.device,
                                                self.generator)
@@ -222,7 +235,8 @@ class Scheduler:
             info = self.running_info
             assert info is not None and len(info) == len(reqs), "sampling state out of step"
         next_ids = self.runner.sample(logits, info)
-        if not self.tp.is_single and any(g is not None for g in info.grammars):
+        has_grammar = any(g is not None for g in info.grammars)
+        if not self.tp.is_single and has_grammar:
             # Same decision on every rank (identical batch): grammars must see one token.
             next_ids, mismatches = agree_on_sampled_ids(next_ids, self.tp)
             self.token_agreement_steps += 1
@@ -236,6 +250,7 @@ class Scheduler:
             self.mask_apply_seconds += info.mask_apply_seconds
             self.mask_steps += 1
         info.cumulate_output_tokens(next_ids)
+        t3 = time.perf_counter()
         failed = info.take_failed_rows()
         for i, (r, tok) in enumerate(zip(reqs, next_ids.tolist())):
             if i not in failed:  # a failed row's token is never used
@@ -253,6 +268,12 @@ class Scheduler:
                     r.grammar.finished = True
                 self.kv.release(r)
                 self.reqs.pop(r.rid, None)
+        fill = info.mask_fill_seconds if info.vocab_mask is not None else 0.0
+        grammar = fill + (time.perf_counter() - t3 if has_grammar else 0.0)
+        # Sampling includes applying the mask; filling it is grammar work.
+        self._phase_seconds = (t1 - t0, t3 - t1 - fill, grammar)
+        for phase, secs in zip(("forward", "sampling", "grammar"), self._phase_seconds):
+            times.add(phase, secs)
         if mode is ForwardMode.DECODE:
             self._keep_running([r for r in self.running if not r.finished])
             return

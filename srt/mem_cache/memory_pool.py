@@ -69,5 +69,7 @@ class MHATokenToKVPool:
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: ``[T, num_kv_heads, head_dim]`` for the T slots in ``loc``."""
-        self.k_buffer[layer_id][:, loc] = k.transpose(0, 1)
-        self.v_buffer[layer_id][:, loc] = v.transpose(0, 1)
+        # index_copy_: a plain scatter along the slot dim (no advanced-index assignment,
+        # which builds index tensors per call); in place inside a compiled step too.
+        self.k_buffer[layer_id].index_copy_(1, loc, k.transpose(0, 1))
+        self.v_buffer[layer_id].index_copy_(1, loc, v.transpose(0, 1))

@@ -1,0 +1,106 @@
+"""The decode step compiled with torch.compile (Inductor), with a safe eager fallback.
+
+What is compiled: the whole model forward of a DECODE batch (embedding, every layer with
+its attention over the paged pool, final norm, LM head) as one graph. Inductor's
+``freezing`` folds the weights in as constants and prepacks them for oneDNN, which is where
+most of the speed comes from on CPU (DESIGN, measured facts), and the layers' small ops
+(norms, rotary, residual adds, SiLU) fuse into a few loops.
+
+Shapes: the batch size and the longest sequence change every step, so they are dynamic:
+one graph serves every batch from 2 to ``--torch-compile-max-bs`` and batch 1 gets its own
+(Dynamo always specialises size 1). On CPU this beats padding to batch-size buckets: each
+bucket would be another full compile, and the dynamic graph runs as fast (README "Speed").
+Larger batches, and prefill, run eagerly.
+
+When: compiling takes about a minute on 2 cores, so at TP=1 it runs in a background
+thread at start-up while the server already answers with the eager step, and the scheduler
+switches to the compiled step once both graphs exist (a pure speed change: same outputs).
+With TP > 1 every rank must switch in the same iteration, so there it compiles before the
+server reports ready. Any failure (no C++ compiler, an unsupported op) logs a warning and
+the step stays eager, identically on every rank because the failure is deterministic.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from srt.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# Tensors of a decode ForwardBatch whose first dim is the batch size.
+_BATCH_DIM_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens",
+                     "decode_kv_slots", "decode_kv_valid")
+
+
+class CompiledDecode:
+    def __init__(self, model: torch.nn.Module, max_bs: int, log_prefix: str):
+        self.max_bs = max_bs
+        self.log_prefix = log_prefix
+        self.failed = False
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._eager = model
+        # freezing: weights become constants (oneDNN-prepacked); needs no-grad/inference.
+        self._compiled = torch.compile(model, dynamic=None, options={"freezing": True})
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and not self.failed
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return self.ready and fb.batch_size <= self.max_bs
+
+    def __call__(self, fb: ForwardBatch) -> torch.Tensor:
+        if fb.batch_size > 1:  # B and S dynamic: no recompiles as the batch changes
+            for name in _BATCH_DIM_FIELDS:
+                torch._dynamo.mark_dynamic(getattr(fb, name), 0)
+        torch._dynamo.mark_dynamic(fb.decode_kv_slots, 1)
+        torch._dynamo.mark_dynamic(fb.decode_kv_valid, 1)
+        try:
+            return self._compiled(fb)
+        except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager
+            self.failed = True
+            logger.warning("%s torch.compile failed (%s: %s); decoding eagerly from now on",
+                           self.log_prefix, type(e).__name__, str(e)[:500])
+            return self._eager(fb)
+
+    def start(self, run_compiled_step: Callable[[int], None], background: bool) -> None:
+        """Compile both graphs now, not inside a request.
+
+        ``run_compiled_step(bs)`` must build its batch as the scheduler does and run it
+        through ``self`` in inference mode: Dynamo guards on how tensors were made."""
+        if background:
+            self._thread = threading.Thread(target=self._warm_up, args=(run_compiled_step,),
+                                            name="compile-decode", daemon=True)
+            self._thread.start()
+        else:
+            self._warm_up(run_compiled_step)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until compiling has finished (or failed); True if the compiled step is in use."""
+        self._ready.wait(timeout)
+        return self.ready
+
+    def _warm_up(self, run_compiled_step: Callable[[int], None]) -> None:
+        t = time.monotonic()
+        try:
+            for bs in sorted({1, min(2, self.max_bs)}):
+                logger.info("%s compiling the decode step (batch %s) ...", self.log_prefix,
+                            "1" if bs == 1 else f"2-{self.max_bs}")
+                with torch.inference_mode():  # thread-local: as ModelRunner.forward runs
+                    run_compiled_step(bs)
+                if self.failed:
+                    return
+            logger.info("%s decode step compiled in %.1f s; using it for batches up to %d",
+                        self.log_prefix, time.monotonic() - t, self.max_bs)
+        except Exception as e:  # noqa: BLE001 - a warm-up failure must not kill the rank
+            self.failed = True
+            logger.warning("%s compiling the decode step failed (%s: %s); staying eager",
+                           self.log_prefix, type(e).__name__, str(e)[:500])
+        finally:
+            self._ready.set()

@@ -1,0 +1,90 @@
+"""Attention in plain torch over the token-level KV pool: the CPU backend (any device).
+
+Decode reads one slot table per step, ``[B, S]`` (built once in
+``init_forward_metadata``, not per layer; padding points at each sequence's first slot so
+no never-written slot is read, and is masked to -inf):
+- compiled (``torch.compiler.is_compiling()``): scores and the weighted sum are written as
+  elementwise products and reductions over ``k_buffer[:, slots]``, which Inductor turns
+  into loops that load each key and value through the slot table, in place: no padded
+  copy of the batch's K/V is ever materialised;
+- eager: one ``index_select`` per layer into a head-major ``[KVH, B, S, D]`` block and two
+  batched matmuls (GQA as grouped query heads, no repeat of K/V). Eager's matmuls need
+  contiguous operands, so there the copy is the fastest measured form.
+Extend (prefill) runs SDPA per sequence: prompt lengths differ, torch has no varlen SDPA
+on CPU, and a padded batch wastes the compute that dominates prefill; a sequence's loop
+iteration costs microseconds next to its matmuls.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.attention.base import AttentionBackend
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    name = "torch_native"
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.mode != ForwardMode.DECODE or fb.decode_kv_slots is not None:
+            return
+        max_len = max(fb.seq_lens_cpu)
+        slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len]  # [B, S]
+        valid = torch.arange(max_len, device=slots.device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
+        # Padding may point at never-written slots (torch.empty: NaN/inf garbage) and
+        # 0 * NaN = NaN even after masking, so aim it at the sequence's first token.
+        fb.decode_kv_slots = torch.where(valid, slots, slots[:, :1])
+        fb.decode_kv_valid = valid
+
+    # -- decode ---------------------------------------------------------------------
+    def forward_decode(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
+        k_buf = fb.token_to_kv_pool.k_buffer[layer.layer_id]
+        v_buf = fb.token_to_kv_pool.v_buffer[layer.layer_id]
+        slots, valid = fb.decode_kv_slots, fb.decode_kv_valid
+        B, S = slots.shape
+        KVH, D = layer.num_kv_heads, layer.head_dim
+        qg = q.view(B, KVH, layer.num_heads // KVH, D).transpose(0, 1)  # [KVH, B, G, D]
+        mask = ~valid.view(1, B, 1, S)
+        if torch.compiler.is_compiling():
+            k, v = k_buf[:, slots], v_buf[:, slots]  # indexing fused into the loops below
+            scores = (qg.unsqueeze(3).float() * k.unsqueeze(2).float()).sum(-1) * layer.scaling
+            probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+            out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2).to(q.dtype)
+        else:
+            flat = slots.reshape(-1)
+            k = k_buf.index_select(1, flat).view(KVH, B, S, D)
+            v = v_buf.index_select(1, flat).view(KVH, B, S, D)
+            scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(layer.scaling)  # [KVH, B, G, S]
+            scores.masked_fill_(mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+            out = torch.matmul(probs, v)  # [KVH, B, G, D]
+        return out.transpose(0, 1).reshape(B, layer.num_heads, D)
+
+    # -- prefill ----------------------------------------------------------------------
+    def forward_extend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
+        out = torch.empty_like(q)
+        k_buf = fb.token_to_kv_pool.k_buffer[layer.layer_id]
+        v_buf = fb.token_to_kv_pool.v_buffer[layer.layer_id]
+        req_to_token = fb.req_to_token_pool.req_to_token
+        gqa = layer.num_heads != layer.num_kv_heads
+        start = 0
+        for i, (n_new, n_prefix) in enumerate(zip(fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)):
+            end = start + n_new
+            qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+            if n_prefix == 0:
+                ki, vi, mask, causal = k[start:end], v[start:end], None, True
+            else:
+                slots = req_to_token[fb.req_pool_indices[i], : n_prefix + n_new]
+                ki = k_buf.index_select(1, slots).transpose(0, 1)  # [n, KVH, D]
+                vi = v_buf.index_select(1, slots).transpose(0, 1)
+                # New token j sits at absolute position n_prefix + j; it sees keys <= that.
+                rows = torch.arange(n_new, device=q.device).unsqueeze(1) + n_prefix
+                mask = torch.arange(n_prefix + n_new, device=q.device).unsqueeze(0) <= rows
+                causal = False
+            o = F.scaled_dot_product_attention(
+                qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask, is_causal=causal, scale=layer.scaling, enable_gqa=gqa)
+            out[start:end] = o[0].transpose(0, 1)
+            start = end
+        return out

@@ -1,0 +1,59 @@
+"""Weight-only quantization with torchao (``--torchao-config``, SGLang's flag and values).
+
+- ``int8wo``: every linear layer of the decoder (q/k/v, o, gate/up, down) keeps its
+  weight as int8 with one scale per output row (torchao ``Int8WeightOnlyConfig``); the
+  matmul dequantizes on the fly, so batch-1 decode reads half (bf16) or a quarter (fp32)
+  of the bytes.
+- ``int4wo-<group>``: 4-bit weights with one scale per ``group`` inputs (torchao
+  ``Int4WeightOnlyConfig``). torchao ships its int4 kernels for CUDA only, so on CPU this
+  is refused with a clear error rather than run slowly.
+The embedding and the LM head stay unquantized: the embedding is a row lookup (no matmul
+to speed up), and the embedded model ties its LM head to it.
+"""
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def _is_decoder_linear(module: nn.Module, fqn: str) -> bool:
+    from srt.layers.linear import _TPLinear
+
+    return isinstance(module, _TPLinear)
+
+
+def apply_torchao_config(model: nn.Module, config: str, device: str) -> None:
+    """Quantize ``model``'s linear layers in place; ValueError for what cannot run here."""
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    except ImportError as e:
+        raise ValueError(f"--torchao-config {config} needs the torchao package "
+                         f"(pip install torchao): {e}") from None
+    if config == "int8wo":
+        ao_config = Int8WeightOnlyConfig()
+    elif config.startswith("int4wo-"):
+        if not str(device).startswith("cuda"):
+            raise ValueError(f"--torchao-config {config}: torchao's int4 weight-only kernels "
+                             "run on CUDA only; on CPU use int8wo")
+        ao_config = Int4WeightOnlyConfig(group_size=int(config.removeprefix("int4wo-")))
+    else:
+        raise ValueError(f"Unknown --torchao-config {config!r}")
+    before = _weight_bytes(model)
+    quantize_(model, ao_config, filter_fn=_is_decoder_linear)
+    logger.info("torchao %s: linear weights %.1f MiB -> %.1f MiB", config,
+                before / 2**20, _weight_bytes(model) / 2**20)
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    from srt.layers.linear import _TPLinear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, _TPLinear):
+            w = m.weight
+            inner = [getattr(w, a) for a in getattr(w, "__tensor_flatten__", lambda: ([], None))()[0]]
+            total += sum(t.numel() * t.element_size() for t in inner) if inner else w.numel() * w.element_size()
+    return total

@@ -1,0 +1,97 @@
+"""The compiled decode step (torch.compile + Inductor freezing) against the eager step.
+
+Real model (the embedded SmolLM2), real scheduler, in fp32: greedy tokens must be
+identical with and without compile on the benchmark's prompts (bench_offline.py), over
+batch 1 and a batch of several sequences of different lengths (the dynamic graph).
+Compiling takes about a minute on 2 cores, so both graphs are built once per module.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmark"))
+
+from bench_offline import chat_prompts  # noqa: E402  the benchmark's own prompts
+
+NEW_TOKENS = 24
+
+
+def _scheduler(model_dir, tokenizer, **kwargs):
+    from distributed.parallel_state import SINGLE_RANK, RankInfo
+    from srt.managers.scheduler import Scheduler
+    from srt.model_config import ModelConfig
+    from srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_dir, random_seed=0, dtype="float32",
+                      max_running_requests=8, max_total_tokens=4096, **kwargs)
+    return Scheduler(args, RankInfo(), SINGLE_RANK, ModelConfig.from_path(model_dir, None), tokenizer)
+
+
+def _greedy(sched, tokenizer, prompts, tag) -> dict[str, list[int]]:
+    from sampling.sampling_params import SamplingParams
+    from srt.managers.io_struct import TokenizedGenerateReq
+
+    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
+    reqs = [TokenizedGenerateReq(f"{tag}-{i}", tuple(tokenizer.apply_chat_template(
+        m, add_generation_prompt=True, tokenize=True, return_dict=False)), params)
+        for i, m in enumerate(prompts)]
+    sched.process_input_requests(reqs)
+    by_rid = {r.rid: r for r in (sched.reqs[m.rid] for m in reqs)}
+    while sched.has_work():
+        sched.step()
+    return {rid: list(r.output_ids) for rid, r in by_rid.items()}
+
+
+@pytest.fixture(scope="module")
+def schedulers(smollm2_dir, smollm2_tokenizer):
+    torch.set_grad_enabled(False)
+    compiled = _scheduler(smollm2_dir, smollm2_tokenizer, enable_torch_compile=True,
+                          wait_for_torch_compile=True)
+    eager = _scheduler(smollm2_dir, smollm2_tokenizer, disable_torch_compile=True)
+    return compiled, eager
+
+
+def test_compiled_step_is_in_use(schedulers):
+    compiled, eager = schedulers
+    assert compiled.runner.compiled_decode is not None and compiled.runner.compiled_decode.ready
+    assert eager.runner.compiled_decode is None
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+def test_fp32_greedy_identical_with_and_without_compile(schedulers, smollm2_tokenizer, batch):
+    compiled, eager = schedulers
+    prompts = chat_prompts(batch)
+    got = _greedy(compiled, smollm2_tokenizer, prompts, f"c{batch}")
+    want = _greedy(eager, smollm2_tokenizer, prompts, f"e{batch}")
+    assert list(got.values()) == list(want.values())
+    assert all(len(v) == NEW_TOKENS for v in got.values())
+    assert compiled.runner.compiled_decode.ready  # no fallback to eager happened on the way
+
+
+def test_batches_past_max_bs_and_prefill_run_eagerly(smollm2_dir, smollm2_tokenizer, schedulers):
+    compiled, _ = schedulers
+    cd = compiled.runner.compiled_decode
+    assert cd.max_bs == 8  # min(--torch-compile-max-bs, --max-running-requests)
+    from srt.forward_batch import ForwardBatch, ForwardMode
+
+    big = ForwardBatch(ForwardMode.DECODE, *([torch.zeros(9, dtype=torch.long)] * 5),
+                       [1] * 9, [1] * 9, [0] * 9, None, None)
+    assert not cd.can_run(big)
+
+
+def test_background_compile_serves_eagerly_meanwhile(smollm2_dir, smollm2_tokenizer):
+    """TP=1 default: the scheduler answers while compiling, then switches, same tokens."""
+    sched = _scheduler(smollm2_dir, smollm2_tokenizer, enable_torch_compile=True)
+    cd = sched.runner.compiled_decode
+    t = time.monotonic()
+    out = _greedy(sched, smollm2_tokenizer, chat_prompts(2), "bg")
+    assert all(len(v) == NEW_TOKENS for v in out.values())
+    assert cd.wait(timeout=600), "compile did not finish"
+    after = _greedy(sched, smollm2_tokenizer, chat_prompts(2), "bg2")
+    assert list(after.values()) == list(out.values())
+    assert time.monotonic() - t < 600

@@ -168,8 +168,7 @@ def main():
         one = next((r for r in report.get("breakdown", []) if r["concurrency"] == 1), None)
         if one is not None:  # same step through processes, ZMQ and the detokenizer
             report["ipc_frontend_ms_per_step"] = 1e3 * ours_tpot - one["step_ms"]
-            print(f"
-IPC + frontend per batch-1 step: {report['ipc_frontend_ms_per_step']:.1f} ms "
+            print(f"\nIPC + frontend per batch-1 step: {report['ipc_frontend_ms_per_step']:.1f} ms "
                   f"(Engine TPOT {1e3 * ours_tpot:.1f} - in-process step {one['step_ms']:.1f})")
         print(f"\nprompts={n} max_new_tokens={m} concurrency={args.concurrency} repeats={args.repeats} (medians)")
         if args.skip_hf:

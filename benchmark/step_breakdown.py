@@ -30,7 +30,8 @@ def make_scheduler(model_dir: str, dtype: str, max_running: int, **server_kwargs
     return Scheduler(args, RankInfo(), SINGLE_RANK, ModelConfig.from_path(model_dir, None), tok)
 
 
-def _decode(sched, prompts_ids: list[list[int]], new_tokens: int, tag: str) -> list[float]:
+def _decode(sched, prompts_ids: list[list[int]], new_tokens: int, tag: str,
+            on_decode_start=lambda: None) -> list[float]:
     """Run the requests to the end; the wall time of each pure decode step."""
     from sampling.sampling_params import SamplingParams
     from srt.managers.io_struct import TokenizedGenerateReq
@@ -41,6 +42,7 @@ def _decode(sched, prompts_ids: list[list[int]], new_tokens: int, tag: str) -> l
     while sched.waiting:  # prefill everything first
         sched.step()
     sched.step_stats.reset()
+    on_decode_start()
     times = []
     while sched.running:
         t = time.perf_counter()
@@ -90,7 +92,8 @@ def breakdown(sched, prompts_ids, concurrency: int, new_tokens: int) -> dict:
     totals = {"attention": 0.0, "linear": 0.0}
     try:
         with _module_timers(runner.model, totals):
-            eager_steps = _decode(sched, batch, min(new_tokens, 16), f"e{concurrency}")
+            eager_steps = _decode(sched, batch, min(new_tokens, 16), f"e{concurrency}",
+                                  on_decode_start=lambda: totals.update(attention=0.0, linear=0.0))
     finally:
         runner.compiled_decode = compiled
     n = len(eager_steps)

@@ -89,7 +89,9 @@ class CompiledDecode:
     def _warm_up(self, run_compiled_step: Callable[[int], None]) -> None:
         t = time.monotonic()
         try:
-            for bs in sorted({1, min(2, self.max_bs)}):
+            # The dynamic graph is traced at max_bs: Inductor prepacks the frozen bf16
+            # weights for its trace-time batch size, and serving batches are large.
+            for bs in sorted({1, self.max_bs}):
                 logger.info("%s compiling the decode step (batch %s) ...", self.log_prefix,
                             "1" if bs == 1 else f"2-{self.max_bs}")
                 with torch.inference_mode():  # thread-local: as ModelRunner.forward runs

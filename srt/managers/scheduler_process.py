@@ -70,7 +70,9 @@ def run_scheduler_process(launch: RankLaunch) -> None:
         server_args = launch.server_args
         if server_args.resolved_device() == "cpu":  # ranks of a node share its cores
             per_node = rank_info.world_size // rank_info.nnodes
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+            share = max(1, (os.cpu_count() or 1) // per_node)
+            # torch.get_num_threads() honours OMP_NUM_THREADS: a user's lower cap wins.
+            torch.set_num_threads(min(share, torch.get_num_threads()))
         tp, world = init_process_groups(rank_info, launch.dist)
         port_args, seed = launch.port_args, server_args.random_seed
         if world is not None:  # world rank 0 decides; everyone must use the same values

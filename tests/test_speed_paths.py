@@ -1,0 +1,91 @@
+"""The speed paths' small parts: the compiled (fused, in-place) decode attention against
+the eager one, backend and flag validation, and torchao int8 weight-only quantization."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from srt.layers.attention import create_attention_backend
+from srt.layers.attention.torch_native import TorchNativeAttnBackend
+from srt.server_args import ServerArgs
+
+
+def _decode_case(batch: int, seq: int, dtype=torch.float32):
+    torch.manual_seed(0)
+    kvh, heads, d, pool = 2, 6, 32, 400
+    layer = SimpleNamespace(layer_id=0, num_kv_heads=kvh, num_heads=heads, head_dim=d, scaling=d ** -0.5)
+    kb, vb = torch.randn(kvh, pool, d, dtype=dtype), torch.randn(kvh, pool, d, dtype=dtype)
+    kb[:, 0] = vb[:, 0] = float("nan")  # the dummy slot: padding must never read it
+    lens = torch.randint(1, seq + 1, (batch,))
+    lens[0] = seq
+    slots = (torch.randperm(pool - 1)[: batch * seq] + 1).view(batch, seq)
+    valid = torch.arange(seq)[None] < lens[:, None]
+    fb = SimpleNamespace(token_to_kv_pool=SimpleNamespace(k_buffer=[kb], v_buffer=[vb]),
+                         decode_kv_slots=torch.where(valid, slots, slots[:, :1]), decode_kv_valid=valid)
+    return layer, fb, torch.randn(batch, heads, d, dtype=dtype), slots, lens
+
+
+def test_compiled_decode_attention_matches_eager_and_reference():
+    """The fused form Inductor compiles (keys read through the slot table) == eager."""
+    backend = TorchNativeAttnBackend()
+    compiled = torch.compile(lambda q, layer, fb: backend.forward_decode(q, layer, fb), dynamic=True)
+    for batch, seq in ((3, 17), (5, 40)):  # two shapes: the dynamic graph is reused
+        layer, fb, q, slots, lens = _decode_case(batch, seq)
+        with torch.inference_mode():
+            eager = backend.forward_decode(q, layer, fb)
+            fused = compiled(q, layer, fb)
+        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+        for b in range(batch):  # and both == SDPA over each sequence's own keys
+            s = slots[b, : lens[b]]
+            k, v = fb.token_to_kv_pool.k_buffer[0][:, s][None], fb.token_to_kv_pool.v_buffer[0][:, s][None]
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[b].view(1, 6, 1, 32), k, v, scale=layer.scaling, enable_gqa=True)
+            torch.testing.assert_close(eager[b], ref.view(6, 32), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_backend_choice_is_validated():
+    assert create_attention_backend("auto", "cpu").name == "torch_native"
+    assert create_attention_backend("torch_native", "cpu").name == "torch_native"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        create_attention_backend("triton", "cpu")
+    with pytest.raises(ValueError, match="Unknown --attention-backend"):
+        create_attention_backend("flashmagic", "cpu")
+
+
+def test_speed_flags_are_validated():
+    with pytest.raises(ValueError, match="exclude each other"):
+        ServerArgs(enable_torch_compile=True, disable_torch_compile=True)
+    with pytest.raises(ValueError, match="torch-compile-max-bs"):
+        ServerArgs(torch_compile_max_bs=0)
+    with pytest.raises(ValueError, match="int8wo"):
+        ServerArgs(torchao_config="int3wo")
+    assert ServerArgs(torchao_config="int4wo-128").torchao_config == "int4wo-128"
+
+
+def test_int8wo_quantizes_every_decoder_linear_and_stays_close():
+    pytest.importorskip("torchao")
+    from srt.layers.quantization import apply_torchao_config
+    from srt.layers.linear import RowParallelLinear
+
+    layer = RowParallelLinear(256, 128, params_dtype=torch.float32)
+    layer.weight.data.normal_(0, 0.05)
+    x = torch.randn(3, 256)
+    ref = layer(x)
+    holder = torch.nn.Sequential(layer)
+    apply_torchao_config(holder, "int8wo", "cpu")
+    assert "Int8" in type(layer.weight.data).__name__  # torchao's int8 weight tensor
+    out = layer(x)
+    assert out.shape == ref.shape
+    # int8 per-row scales: error well under 1% of the output scale, but not zero (quantized).
+    err = (out - ref).abs().max().item()
+    assert 0 < err < 0.01 * ref.abs().max().item()
+
+
+def test_int4wo_is_refused_on_cpu_with_the_reason():
+    pytest.importorskip("torchao")
+    from srt.layers.quantization import apply_torchao_config
+
+    with pytest.raises(ValueError, match="CUDA only"):
+        apply_torchao_config(torch.nn.Sequential(torch.nn.Linear(8, 8)), "int4wo-128", "cpu")

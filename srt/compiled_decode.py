@@ -72,8 +72,10 @@ class CompiledDecode:
     def start(self, run_compiled_step: Callable[[int], None], background: bool) -> None:
         """Compile both graphs now, not inside a request.
 
-        ``run_compiled_step(bs)`` must build its batch as the scheduler does and run it
-        through ``self`` in inference mode: Dynamo guards on how tensors were made."""
+        ``run_compiled_step(bs)`` must build its batch as the scheduler does (outside
+        inference mode) and run it through ``self`` as ``ModelRunner.forward`` does (in
+        inference mode): Dynamo guards on how each tensor was made, and a mismatch would
+        recompile inside the first served steps."""
         if background:
             self._thread = threading.Thread(target=self._warm_up, args=(run_compiled_step,),
                                             name="compile-decode", daemon=True)
@@ -94,7 +96,7 @@ class CompiledDecode:
             for bs in sorted({1, self.max_bs}):
                 logger.info("%s compiling the decode step (batch %s) ...", self.log_prefix,
                             "1" if bs == 1 else f"2-{self.max_bs}")
-                with torch.inference_mode():  # thread-local: as ModelRunner.forward runs
+                with torch.no_grad():  # grad mode is thread-local; the step sets inference mode
                     run_compiled_step(bs)
                 if self.failed:
                     return

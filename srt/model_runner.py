@@ -87,9 +87,10 @@ class ModelRunner:
                 and self.tp.is_single and not args.torchao_config)
 
     def _run_warm_up_step(self, bs: int) -> None:
-        fb = self._warm_up_batch(bs)
-        self._prepare(fb)
-        self.compiled_decode(fb)
+        fb = self._warm_up_batch(bs)  # made as the scheduler makes batches: normal tensors
+        with torch.inference_mode():  # then exactly as forward() runs a decode step
+            self._prepare(fb)
+            self.compiled_decode(fb)
 
     def _warm_up_batch(self, bs: int) -> ForwardBatch:
         """A decode batch that writes only the dummy KV slot 0 (never a request's)."""

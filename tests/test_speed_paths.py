@@ -28,7 +28,7 @@ def _decode_case(batch: int, seq: int, dtype=torch.float32):
 
 
 def test_compiled_decode_attention_matches_eager_and_reference():
-    """The fused form Inductor compiles (keys read through the slot table) == eager."""
+    """Decode attention compiled (dynamic shapes, as in the compiled step) == eager == SDPA."""
     backend = TorchNativeAttnBackend()
     compiled = torch.compile(lambda q, layer, fb: backend.forward_decode(q, layer, fb), dynamic=True)
     for batch, seq in ((3, 17), (5, 40)):  # two shapes: the dynamic graph is reused

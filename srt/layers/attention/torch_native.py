@@ -2,14 +2,14 @@
 
 Decode reads one slot table per step, ``[B, S]`` (built once in
 ``init_forward_metadata``, not per layer; padding points at each sequence's first slot so
-no never-written slot is read, and is masked to -inf):
-- compiled (``torch.compiler.is_compiling()``): scores and the weighted sum are written as
-  elementwise products and reductions over ``k_buffer[:, slots]``, which Inductor turns
-  into loops that load each key and value through the slot table, in place: no padded
-  copy of the batch's K/V is ever materialised;
-- eager: one ``index_select`` per layer into a head-major ``[KVH, B, S, D]`` block and two
-  batched matmuls (GQA as grouped query heads, no repeat of K/V). Eager's matmuls need
-  contiguous operands, so there the copy is the fastest measured form.
+no never-written slot is read, and is masked to -inf), gathers each layer's keys and
+values through it into a head-major ``[KVH, B, S, D]`` block with one ``index_select``,
+and runs two batched matmuls (GQA as grouped query heads, no repeat of K/V). Measured
+against the alternative that reads the pool in place (products and reductions over
+``k_buffer[:, slots]``, which Inductor fuses into one loop that loads every key through
+the slot table): compiled, bf16, per layer, 1.6 ms in place vs 0.47 ms gather + matmul at
+batch 32 x 100 keys, and 4.7 vs 3.6 ms at 64 x 150; equal at batch 1. The copy is small
+(the batch's keys, not the pool) and makes the matmuls contiguous, so it stays.
 Extend (prefill) runs SDPA per sequence: prompt lengths differ, torch has no varlen SDPA
 on CPU, and a padded batch wastes the compute that dominates prefill; a sequence's loop
 iteration costs microseconds next to its matmuls.
@@ -45,20 +45,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         B, S = slots.shape
         KVH, D = layer.num_kv_heads, layer.head_dim
         qg = q.view(B, KVH, layer.num_heads // KVH, D).transpose(0, 1)  # [KVH, B, G, D]
-        mask = ~valid.view(1, B, 1, S)
-        if torch.compiler.is_compiling():
-            k, v = k_buf[:, slots], v_buf[:, slots]  # indexing fused into the loops below
-            scores = (qg.unsqueeze(3).float() * k.unsqueeze(2).float()).sum(-1) * layer.scaling
-            probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
-            out = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2).to(q.dtype)
-        else:
-            flat = slots.reshape(-1)
-            k = k_buf.index_select(1, flat).view(KVH, B, S, D)
-            v = v_buf.index_select(1, flat).view(KVH, B, S, D)
-            scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(layer.scaling)  # [KVH, B, G, S]
-            scores.masked_fill_(mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-            out = torch.matmul(probs, v)  # [KVH, B, G, D]
+        flat = slots.reshape(-1)
+        k = k_buf.index_select(1, flat).view(KVH, B, S, D)
+        v = v_buf.index_select(1, flat).view(KVH, B, S, D)
+        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(layer.scaling)  # [KVH, B, G, S]
+        scores.masked_fill_(~valid.view(1, B, 1, S), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        out = torch.matmul(probs, v)  # [KVH, B, G, D]
         return out.transpose(0, 1).reshape(B, layer.num_heads, D)
 
     # -- prefill ----------------------------------------------------------------------

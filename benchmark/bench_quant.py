@@ -1,0 +1,97 @@
+"""Weight-only quantization (torchao) against the same engine unquantized, same run.
+
+    .venv/bin/python benchmark/bench_quant.py [--torchao-config int8wo] [--dtype auto]
+
+For each of {unquantized, quantized}, on the in-process scheduler, both eager (the
+quantized model is not compiled by default) and the unquantized default (compiled):
+batch-1 time per output token (median decode step), greedy tokens on the benchmark prompts
+(agreement = share of positions equal to the unquantized eager run's, up to the first
+difference per prompt), and perplexity of benchmark/data/perplexity_text.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+import step_breakdown
+from bench_offline import chat_prompts
+
+TEXT = Path(__file__).with_name("data") / "perplexity_text.txt"
+
+
+def perplexity(sched, ids: list[int]) -> float:
+    """exp(mean NLL) of every token after the first, from one prefill's logits."""
+    from sampling.sampling_params import SamplingParams
+    from srt.managers.req import Req
+
+    req = Req("ppl", tuple(ids), SamplingParams.from_dict({"max_new_tokens": 1}), False,
+              frozenset(), False)
+    fb = sched.kv.prepare_extend([req])
+    fb.return_all_logits = True
+    logits = sched.runner.forward(fb).float()
+    sched.kv.release(req)
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+def greedy(sched, prompts_ids, n: int, tag: str) -> list[list[int]]:
+    from sampling.sampling_params import SamplingParams
+    from srt.managers.io_struct import TokenizedGenerateReq
+
+    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
+    msgs = [TokenizedGenerateReq(f"{tag}-{i}", tuple(p), params) for i, p in enumerate(prompts_ids)]
+    sched.process_input_requests(msgs)
+    reqs = [sched.reqs[m.rid] for m in msgs]
+    while sched.has_work():
+        sched.step()
+    return [list(r.output_ids) for r in reqs]
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    same = total = 0
+    for x, y in zip(a, b):
+        k = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
+        same, total = same + k, total + len(x)
+    return same / total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--torchao-config", default="int8wo")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    from srt.model_loader import resolve_model_path
+    from srt.tokenizer_utils import apply_chat_template, get_tokenizer
+
+    path = resolve_model_path(None)
+    tok = get_tokenizer(path)
+    prompts = [apply_chat_template(tok, m) for m in chat_prompts(16)]
+    text_ids = tok(TEXT.read_text())["input_ids"]
+    configs = {"unquantized eager": {"disable_torch_compile": True},
+               f"{args.torchao_config} eager": {"torchao_config": args.torchao_config},
+               "unquantized compiled": {}}
+    rows, ref = {}, None
+    for name, kwargs in configs.items():
+        sched = step_breakdown.make_scheduler(path, args.dtype, 16, **kwargs)
+        step_breakdown._decode(sched, prompts[:1], 4, f"w{name}")
+        tpot = statistics.median(step_breakdown._decode(sched, prompts[:1], 48, f"t{name}"))
+        out = greedy(sched, prompts, args.new_tokens, f"g{name}")
+        ref = ref or out
+        rows[name] = (1e3 * tpot, agreement(out, ref), perplexity(sched, text_ids), sched.runner.dtype)
+        del sched
+    base = rows["unquantized eager"][0]
+    print(f"\nbatch-1 decode, {len(text_ids)}-token perplexity text, greedy agreement over "
+          f"{len(prompts)} prompts x {args.new_tokens} tokens")
+    print(f"{'config':<24}{'dtype':>16}{'TPOT ms':>9}{'vs eager':>9}{'agree':>7}{'ppl':>8}")
+    for name, (tpot, agree, ppl, dt) in rows.items():
+        print(f"{name:<24}{str(dt):>16}{tpot:>9.1f}{tpot / base:>9.2f}{agree:>7.3f}{ppl:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -93,14 +93,15 @@ class ModelRunner:
             self.compiled_decode(fb)
 
     def _warm_up_batch(self, bs: int) -> ForwardBatch:
-        """A decode batch that writes only the dummy KV slot 0 (never a request's)."""
+        """A decode batch that writes only the dummy KV slot 0 (never a request's slot)."""
         dev, seq = self.device, bs + 5  # seq != bs: Dynamo must not assume they are equal
         zeros = torch.zeros(bs, dtype=torch.int64, device=dev)
         lens = torch.full((bs,), seq, dtype=torch.int64, device=dev)
-        fb = ForwardBatch(ForwardMode.DECODE, zeros, zeros.clone(), zeros.clone(), zeros.clone(),
-                          lens, [seq] * bs, [1] * bs, [seq - 1] * bs, self.req_to_token_pool,
-                          self.token_to_kv_pool)
-        return fb  # row 0 of req_to_token is all zeros until a request uses it: slot 0 only
+        # Its slot table is row 0 of req_to_token: zeros until a request takes that row, and
+        # any slots read then are only read; the one write goes to the dummy slot 0.
+        return ForwardBatch(ForwardMode.DECODE, zeros, zeros.clone(), zeros.clone(), zeros.clone(),
+                            lens, [seq] * bs, [1] * bs, [seq - 1] * bs, self.req_to_token_pool,
+                            self.token_to_kv_pool)
 
     def _kv_bytes_per_token(self) -> int:
         cfg = self.model_config

@@ -72,7 +72,6 @@ class Scheduler:
         # sample differed from the agreed one. Expected to stay 0; measured, not assumed.
         self.token_agreement_steps = self.token_mismatches = 0
         self.step_stats = StepStats()  # per-phase seconds, for the benchmark breakdown
-        self._phase_seconds: tuple[float, ...] = ()
 
     # ---- input -----------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -165,13 +164,12 @@ class Scheduler:
         if batch is None:
             return self._make_outputs(touched)
         mode, reqs = batch
-        self._run_batch(mode, reqs)
+        timed = self._run_batch(mode, reqs)
         outputs = self._make_outputs(touched + reqs)
         times = self.step_stats.mode(mode.name)
         times.steps += 1
-        times.tokens += len(reqs)
         # Whatever the timed phases did not take: batching, bookkeeping, outputs.
-        times.add("scheduler", time.perf_counter() - start - sum(self._phase_seconds))
+        times.add("scheduler", time.perf_counter() - start - timed)
         return outputs
 
     def _poll_grammars(self) -> None:
@@ -215,7 +213,8 @@ class Scheduler:
             self.num_retractions += 1
             self.waiting.appendleft(req)
 
-    def _run_batch(self, mode: ForwardMode, reqs: list[Req]) -> None:
+    def _run_batch(self, mode: ForwardMode, reqs: list[Req]) -> float:
+        """Run one batch; returns the seconds it added to the forward/sampling/grammar phases."""
         if mode is ForwardMode.EXTEND:
             fb = self.kv.prepare_extend(reqs)
             now = time.monotonic()
@@ -271,15 +270,16 @@ class Scheduler:
         fill = info.mask_fill_seconds if info.vocab_mask is not None else 0.0
         grammar = fill + (time.perf_counter() - t3 if has_grammar else 0.0)
         # Sampling includes applying the mask; filling it is grammar work.
-        self._phase_seconds = (t1 - t0, t3 - t1 - fill, grammar)
-        for phase, secs in zip(("forward", "sampling", "grammar"), self._phase_seconds):
+        phases = {"forward": t1 - t0, "sampling": t3 - t1 - fill, "grammar": grammar}
+        for phase, secs in phases.items():
             times.add(phase, secs)
+        timed = sum(phases.values())
         if mode is ForwardMode.DECODE:
             self._keep_running([r for r in self.running if not r.finished])
-            return
+            return timed
         keep = [i for i, r in enumerate(reqs) if not r.finished]
         if not keep:
-            return
+            return timed
         if len(keep) < len(reqs):
             info.filter_batch(keep)
         self.running.extend(reqs[i] for i in keep)
@@ -287,6 +287,7 @@ class Scheduler:
             self.running_info = info
         else:
             self.running_info.merge_batch(info)
+        return timed
 
     @staticmethod
     def _accept_into_grammar(req: Req, token: int) -> Optional[str]:

@@ -13,7 +13,6 @@ PHASES = ("forward", "sampling", "grammar", "scheduler")
 @dataclass
 class PhaseTimes:
     steps: int = 0
-    tokens: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     def add(self, phase: str, seconds: float) -> None:

@@ -3,20 +3,22 @@
 What is compiled: the whole model forward of a DECODE batch (embedding, every layer with
 its attention over the paged pool, final norm, LM head) as one graph. Inductor's
 ``freezing`` folds the weights in as constants and prepacks them for oneDNN, which is where
-most of the speed comes from on CPU (DESIGN, measured facts), and the layers' small ops
-(norms, rotary, residual adds, SiLU) fuse into a few loops.
+most of the speed comes from on CPU (README "Speed"), and the layers' small ops (norms,
+rotary, residual adds, SiLU) fuse into a few loops. Batch 1 is compiled separately with
+max-autotune, which picks Inductor's C++ GEMM template per weight shape where it beats
+ATen: at one row every GEMM is a weight read, and the template streams the weights at
+close to this CPU's read bandwidth.
 
 Shapes: the batch size and the longest sequence change every step, so they are dynamic:
-one graph serves every batch from 2 to ``--torch-compile-max-bs`` and batch 1 gets its own
-(Dynamo always specialises size 1). We chose this over padding to batch-size buckets
-because each bucket would be another full compile (about 35 s each on 2 cores) and
-padding computes rows nobody asked for; the dynamic graph's matmuls run at about this
-CPU's matmul peak at batch 32 (profiled: README "Speed"). Larger batches, and prefill,
-run eagerly.
+one graph serves every batch from 2 to ``--torch-compile-max-bs`` and batch 1 gets its own.
+We chose this over padding to batch-size buckets because each bucket would be another full
+compile (over a minute each on 2 cores) and padding computes rows nobody asked for. Larger
+batches, and prefill, run eagerly. Frozen graphs hold oneDNN-packed weights, which torch's
+FX graph cache cannot pickle, so the compile is paid at every start (README "Speed").
 
-When: compiling takes about a minute on 2 cores, so at TP=1 it runs in a background
+When: compiling takes two to three minutes on 2 cores, so at TP=1 it runs in a background
 thread at start-up while the server already answers with the eager step, and the scheduler
-switches to the compiled step once both graphs exist (a pure speed change: same outputs).
+switches to the compiled step once both graphs exist (fp32 outputs are identical, tested).
 With TP > 1 every rank must switch in the same iteration, so there it compiles before the
 server reports ready. Any failure (no C++ compiler, an unsupported op) logs a warning and
 the step stays eager, identically on every rank because the failure is deterministic.
@@ -39,6 +41,10 @@ _BATCH_DIM_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indice
                      "decode_kv_slots", "decode_kv_valid")
 
 
+_FREEZE = {"freezing": True}
+_BATCH_ONE = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
 class CompiledDecode:
     def __init__(self, model: torch.nn.Module, max_bs: int, log_prefix: str):
         self.max_bs = max_bs
@@ -48,7 +54,11 @@ class CompiledDecode:
         self._thread: threading.Thread | None = None
         self._eager = model
         # freezing: weights become constants (oneDNN-prepacked); needs no-grad/inference.
-        self._compiled = torch.compile(model, dynamic=None, options={"freezing": True})
+        self._compiled = torch.compile(model, dynamic=None, options=dict(_FREEZE))
+        # Batch 1 is a pure weight read, where Inductor's C++ GEMM template (picked per
+        # shape by max-autotune against ATen) streams the weights ~1.7x faster than ATen's
+        # matrix-vector path, on both dtypes (README "Speed").
+        self._compiled_one = torch.compile(model, dynamic=False, options=dict(_BATCH_ONE))
 
     @property
     def ready(self) -> bool:
@@ -64,7 +74,12 @@ class CompiledDecode:
         torch._dynamo.mark_dynamic(fb.decode_kv_slots, 1)
         torch._dynamo.mark_dynamic(fb.decode_kv_valid, 1)
         try:
-            return self._compiled(fb)
+            # Dynamo lifts the weights as freezable constants only when the *global*
+            # Inductor flag is on while it traces (torch.compile's options reach Inductor,
+            # not Dynamo): without this every weight stays a graph input and is never
+            # prepacked. Patched per call because a recompile traces inside a served step.
+            with torch._inductor.config.patch(freezing=True):
+                return (self._compiled_one if fb.batch_size == 1 else self._compiled)(fb)
         except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager
             self.failed = True
             logger.warning("%s torch.compile failed (%s: %s); decoding eagerly from now on",
@@ -96,12 +111,14 @@ class CompiledDecode:
             # The dynamic graph is traced at max_bs: Inductor prepacks the frozen bf16
             # weights for its trace-time batch size, and serving batches are large.
             for bs in sorted({1, self.max_bs}):
-                logger.info("%s compiling the decode step (batch %s) ...", self.log_prefix,
-                            "1" if bs == 1 else f"2-{self.max_bs}")
+                label, t_graph = ("1" if bs == 1 else f"2-{self.max_bs}"), time.monotonic()
+                logger.info("%s compiling the decode step (batch %s) ...", self.log_prefix, label)
                 with torch.no_grad():  # grad mode is thread-local; the step sets inference mode
                     run_compiled_step(bs)
                 if self.failed:
                     return
+                logger.info("%s batch %s graph ready in %.1f s", self.log_prefix, label,
+                            time.monotonic() - t_graph)
             logger.info("%s decode step compiled in %.1f s; using it for batches up to %d",
                         self.log_prefix, time.monotonic() - t, self.max_bs)
         except Exception as e:  # noqa: BLE001 - a warm-up failure must not kill the rank

@@ -12,6 +12,7 @@ from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
 from srt.compiled_decode import CompiledDecode
+from srt.cuda_graph_runner import CudaGraphRunner
 from srt.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention import create_attention_backend
 from srt.layers.quantization import apply_torchao_config
@@ -74,6 +75,7 @@ class ModelRunner:
             # TP=1: nobody to stay in step with, so serve eagerly while it compiles.
             background = self.tp.is_single and not server_args.wait_for_torch_compile
             self.compiled_decode.start(self._run_warm_up_step, background=background)
+        self.cuda_graph_runner = self._capture_cuda_graphs() if self._want_cuda_graph() else None
 
     def _want_compile(self) -> bool:
         args = self.server_args
@@ -85,6 +87,38 @@ class ModelRunner:
         # yet; torchao's quantized tensors took over 5 minutes to compile here.
         return (environ.GRAMSYNC_TORCH_COMPILE_AUTO.get() and self.device == "cpu"
                 and self.tp.is_single and not args.torchao_config)
+
+    def _want_cuda_graph(self) -> bool:
+        args = self.server_args
+        # torch_native builds host-side metadata per step, and a compiled step is not captured.
+        return (self.device.startswith("cuda") and not args.disable_cuda_graph
+                and self.attn_backend.name == "triton" and self.compiled_decode is None)
+
+    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
+        runner = CudaGraphRunner(self.model, min(self.server_args.cuda_graph_max_bs, self.max_running_requests),
+                                 self._graph_batch, self.device, self.rank_info.log_prefix)
+        try:
+            runner.capture()
+            ok = runner.self_check(atol=1e-2)
+        except Exception as e:  # noqa: BLE001 - a capture failure must not kill the rank
+            logger.warning("%s CUDA graph capture failed (%s: %s)", self.rank_info.log_prefix,
+                           type(e).__name__, str(e)[:500])
+            ok = False
+        if not tp_min_int(int(ok), self.tp):  # every rank replays, or none does
+            logger.warning("%s CUDA graphs disabled; decoding eagerly", self.rank_info.log_prefix)
+            runner.disable()
+            return None
+        logger.info("%s CUDA graphs captured for decode batches %s", self.rank_info.log_prefix,
+                    runner.batch_sizes)
+        return runner
+
+    def _graph_batch(self, t: dict) -> ForwardBatch:
+        bs = t["seq_lens"].shape[0]
+        fb = ForwardBatch(ForwardMode.DECODE, t["input_ids"], t["positions"], t["out_cache_loc"],
+                          t["req_pool_indices"], t["seq_lens"], [1] * bs, [1] * bs, [0] * bs,
+                          self.req_to_token_pool, self.token_to_kv_pool)
+        self._prepare(fb)
+        return fb
 
     def _run_warm_up_step(self, bs: int) -> None:
         fb = self._warm_up_batch(bs)  # made as the scheduler makes batches: normal tensors
@@ -142,6 +176,9 @@ class ModelRunner:
         compiled = self.compiled_decode
         if fb.mode is ForwardMode.DECODE and compiled is not None and compiled.can_run(fb):
             return compiled(fb)
+        graphs = self.cuda_graph_runner
+        if graphs is not None and graphs.can_run(fb):
+            return graphs(fb)
         return self.model.forward(fb)
 
     def _prepare(self, fb: ForwardBatch) -> None:

@@ -47,6 +47,8 @@ class ServerArgs:
     disable_torch_compile: bool = _f(False, "Never compile; run every step eagerly (default: compile the decode step on CPU at TP=1, where it measures faster).")
     wait_for_torch_compile: bool = _f(False, "Report ready only once the decode step is compiled (benchmarks). Default at TP=1: serve eagerly while it compiles in the background.")
     torch_compile_max_bs: int = _f(64, "Largest decode batch run by the compiled step; larger batches run eagerly.")
+    disable_cuda_graph: bool = _f(False, "CUDA: run the decode step eagerly instead of replaying CUDA graphs captured per batch-size bucket at start-up.")
+    cuda_graph_max_bs: int = _f(128, "CUDA: largest decode batch captured as a CUDA graph (buckets 1, 2, 4, 8, then every 8); larger batches run eagerly.")
     torchao_config: Optional[str] = _f(None, "Weight-only quantization with torchao: int8wo, or int4wo-<group size> (32, 64, 128, 256).")
     # Sampling
     enable_custom_logit_processor: bool = _f(False, "Allow requests to carry a custom logit processor (a CustomLogitProcessor class importable on the server).")
@@ -99,8 +101,8 @@ class ServerArgs:
             raise ValueError("--grammar-compile-threads and --grammar-cache-size must be at least 1")
         if self.enable_torch_compile and self.disable_torch_compile:
             raise ValueError("--enable-torch-compile and --disable-torch-compile exclude each other")
-        if self.torch_compile_max_bs < 1:
-            raise ValueError("--torch-compile-max-bs must be at least 1")
+        if self.torch_compile_max_bs < 1 or self.cuda_graph_max_bs < 1:
+            raise ValueError("--torch-compile-max-bs and --cuda-graph-max-bs must be at least 1")
         if self.torchao_config is not None and self.torchao_config not in TORCHAO_CONFIGS:
             raise ValueError(f"--torchao-config must be one of {', '.join(TORCHAO_CONFIGS)} "
                              f"(got {self.torchao_config!r})")

@@ -54,6 +54,7 @@ def run_until_done(s: Scheduler, arrivals: dict[int, list] | None = None, max_st
                 o["finish"] = batch.finished_reasons[i]
                 o["completion_tokens"] = batch.completion_tokens[i]
                 o["prompt_tokens"] = batch.prompt_tokens[i]
+                o["cached_tokens"] = batch.cached_tokens[i]
         step += 1
         assert step < max_steps, "scheduler did not finish"
     s.kv.check_idle_integrity()

@@ -93,6 +93,15 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
             "num_refused_handshakes": t.transport.refused_handshakes,
         })
 
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        """Admin (SGLang's endpoint): empty the radix prefix cache; refused (400) while
+        requests are running or waiting."""
+        out = await request.app.state.tokenizer_manager.flush_cache()
+        if not out.success:
+            return error_response(out.message, 400)
+        return JSONResponse({"message": out.message})
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         """Admin (SGLang's endpoint): abort one request by id, or all with abort_all."""

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from srt.entrypoints.openai_protocol import (
     ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatMessageOut, CompletionChoice, CompletionRequest,
-    CompletionResponse, DeltaMessage, UsageInfo, error_body, validation_error_message,
+    CompletionResponse, DeltaMessage, PromptTokensDetails, UsageInfo, error_body, validation_error_message,
 )
 from srt.entrypoints.json_body import parse_json_body
 from srt.managers.generate_input import check_fits_context
@@ -89,7 +89,8 @@ def abort_error(finish_reason: dict) -> JSONResponse:
 
 def _usage(meta: dict) -> UsageInfo:
     p, c = meta["prompt_tokens"], meta["completion_tokens"]
-    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=meta.get("cached_tokens", 0)))
 
 
 def _finish(fr: Optional[dict]) -> tuple[Optional[str], Any]:

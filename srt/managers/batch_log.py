@@ -3,14 +3,16 @@
 One line per batch: ``<step> <mode> <rid>,<rid>,...``, written to
 ``<dir>/batches_DP{d}_TP{t}.log``; after a batch whose sampled ids went through the token
 agreement (TP > 1, grammars in the batch), a line ``<step> AGREE <mismatches>``: how many
-of this rank's own samples differed from the agreed ids (expected: always 0). The ranks of a TP group must write identical files:
+of this rank's own samples differed from the agreed ids (expected: always 0); with the
+radix cache on, ``<step> CACHE <digest>`` after every batch: a hash of the whole prefix
+tree (keys, slots, locks) once the batch's requests were cached or released. The ranks of a TP group must write identical files:
 comparing them is how lock-step is checked (the multi-rank tests do) and how a
 divergence is found in production.
 """
 from __future__ import annotations
 
 import os
-from typing import Optional, TextIO
+from typing import Callable, Optional, TextIO
 
 from distributed.parallel_state import RankInfo
 from srt import environ
@@ -38,3 +40,8 @@ class BatchLog:
     def record_agreement(self, mismatches: int) -> None:
         if self._file is not None:
             self._file.write(f"{self._step - 1} AGREE {mismatches}\n")
+
+    def record_cache(self, digest: Callable[[], str]) -> None:
+        """``digest`` is only computed when the log is on (it walks the whole tree)."""
+        if self._file is not None:
+            self._file.write(f"{self._step - 1} CACHE {digest()}\n")

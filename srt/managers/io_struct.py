@@ -63,6 +63,21 @@ class BatchTokenOut:
     finished_reasons: tuple[Optional[FinishReason], ...]
     prompt_tokens: tuple[int, ...]
     completion_tokens: tuple[int, ...]
+    cached_tokens: tuple[int, ...] = ()  # prompt tokens served from the radix cache
+
+
+@dataclass(frozen=True)
+class FlushCacheReq:
+    """POST /flush_cache: empty the radix cache if nothing is running (every rank)."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class FlushCacheOut:
+    rid: str
+    success: bool
+    message: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,6 +150,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 # What each socket accepts; anything else is dropped and counted (wire.py).
-SCHEDULER_INPUT_CODEC = MessageCodec(TokenizedGenerateReq, AbortReq)
-FRONTEND_INPUT_CODEC = MessageCodec(BatchTokenOut)
+SCHEDULER_INPUT_CODEC = MessageCodec(TokenizedGenerateReq, AbortReq, FlushCacheReq)
+FRONTEND_INPUT_CODEC = MessageCodec(BatchTokenOut, FlushCacheOut)
 READY_CODEC = MessageCodec(RankReady)

@@ -20,6 +20,12 @@ class Req:
         # KV state: row in req_to_token and how many tokens of fill_ids are cached.
         self.req_pool_idx: Optional[int] = None
         self.kv_committed_len = 0
+        # Radix cache: the cached prefix taken at admission (its slots and tree node, locked
+        # while the request holds them) and how many of those tokens the tree owns.
+        self.prefix_slots = None
+        self.last_node = None
+        self.prefix_len = 0
+        self.cached_tokens: Optional[int] = None  # prompt tokens served from the cache
         self.sent_len = 0  # output tokens already sent to the frontend
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids)

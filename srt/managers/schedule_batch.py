@@ -1,27 +1,61 @@
 """Turns scheduled requests into a ForwardBatch, allocating and freeing their KV slots.
 
 Allocation is deterministic (same order, same free lists), so every rank of a TP group
-holds the same slots for the same request without talking.
+holds the same slots for the same request without talking. With the radix cache, a
+request's first ``prefix_len`` slots belong to the tree (shared, locked while it runs)
+and the rest are its own until it ends, when they are inserted into the tree too.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from srt.forward_batch import ForwardBatch, ForwardMode
 from srt.managers.req import Req
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from srt.mem_cache.radix_cache import RadixCache
 
 
 class KVCacheManager:
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
-                 kv_pool: MHATokenToKVPool, device: str):
+                 kv_pool: MHATokenToKVPool, device: str, radix_cache: Optional[RadixCache] = None):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.kv_pool = kv_pool
         self.device = device
+        self.tree = radix_cache
 
     def available_tokens(self) -> int:
-        return self.allocator.available_size()
+        """Free slots plus cached ones nobody is using (evicted on demand)."""
+        return self.allocator.available_size() + (self.tree.evictable_size if self.tree else 0)
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        short = n - self.allocator.available_size()
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)  # eviction before retraction: callers checked the budget
+        out = self.allocator.alloc(n)
+        assert out is not None, "KV allocation past the checked budget"
+        return out
+
+    # ---- the prefix cache -------------------------------------------------------------
+    def lock_prefix(self, req: Req) -> int:
+        """A waiting request (no KV yet) takes the longest cached prefix of its tokens
+        (leaving at least one to compute, for its logits) and locks it. Returns how many
+        tokens stopped being evictable because of this lock."""
+        if self.tree is None or req.req_pool_idx is not None:
+            return 0
+        slots, node = self.tree.match_prefix(req.fill_ids[:-1])
+        req.prefix_slots, req.last_node = slots, node
+        if req.cached_tokens is None:  # first admission: what the user is told was cached
+            req.cached_tokens = min(len(slots), len(req.origin_input_ids))
+        return self.tree.inc_lock_ref(node)
+
+    def unlock_prefix(self, req: Req) -> None:
+        """Undo ``lock_prefix`` for a request that was not admitted after all."""
+        if req.last_node is not None and req.req_pool_idx is None:
+            self.tree.dec_lock_ref(req.last_node)
+            req.last_node, req.prefix_slots = None, None
 
     def prepare_extend(self, reqs: list[Req]) -> ForwardBatch:
         """Prefill ``fill_ids`` beyond each request's cached prefix. Caller checked capacity."""
@@ -29,14 +63,18 @@ class KVCacheManager:
         for r in reqs:
             if r.req_pool_idx is None:
                 r.req_pool_idx = self.req_to_token_pool.alloc()
+                if r.prefix_slots is not None and len(r.prefix_slots):
+                    n = len(r.prefix_slots)
+                    self.req_to_token_pool.req_to_token[r.req_pool_idx, :n] = r.prefix_slots
+                    r.prefix_len = r.kv_committed_len = n
             fill = r.fill_ids
             start = r.kv_committed_len
             ids.extend(fill[start:])
             positions.extend(range(start, len(fill)))
             prefix_lens.append(start)
             extend_lens.append(len(fill) - start)
-        out_loc = self.allocator.alloc(len(ids))
-        assert out_loc is not None and all(r.req_pool_idx is not None for r in reqs)
+        out_loc = self._alloc(len(ids))
+        assert all(r.req_pool_idx is not None for r in reqs)
         offset = 0
         table = self.req_to_token_pool.req_to_token
         for r, start, n in zip(reqs, prefix_lens, extend_lens):
@@ -49,8 +87,7 @@ class KVCacheManager:
 
     def prepare_decode(self, reqs: list[Req]) -> ForwardBatch:
         """One step: feed each request's last output token. Caller checked capacity."""
-        out_loc = self.allocator.alloc(len(reqs))
-        assert out_loc is not None
+        out_loc = self._alloc(len(reqs))
         positions = [r.kv_committed_len for r in reqs]
         rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
@@ -84,20 +121,44 @@ class KVCacheManager:
         )
 
     def release(self, req: Req) -> None:
-        """Free a request's KV slots and table row (finish, abort or retraction)."""
+        """A request ends (finish, abort, grammar failure) or is retracted: its computed
+        tokens go into the tree (duplicates of cached ones are freed), its prefix lock is
+        released, and its table row is freed. Without the tree, every slot is freed."""
         if req.req_pool_idx is None:
             return
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_committed_len]
-        self.allocator.free(slots.clone())
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_committed_len].clone()
+        if self.tree is None:
+            self.allocator.free(slots)
+        else:
+            cached = self.tree.insert(req.fill_ids[:req.kv_committed_len], slots)
+            if cached > req.prefix_len:  # computed again while already cached by another
+                self.allocator.free(slots[req.prefix_len:cached])
+            if req.last_node is not None:
+                self.tree.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
-        req.kv_committed_len = 0
+        req.kv_committed_len = req.prefix_len = 0
+        req.last_node = req.prefix_slots = None
+
+    def flush_cache(self) -> bool:
+        """Empty the tree (POST /flush_cache); only when nothing holds a lock on it."""
+        if self.tree is None:
+            return True
+        if self.tree.protected_size:
+            return False
+        self.allocator.free(self.tree.all_slots())
+        self.tree.reset()
+        return True
 
     def check_idle_integrity(self) -> None:
-        """With nothing running, every slot must be free (free + used == total)."""
+        """With nothing running: free + cached == total, nothing locked, every row free."""
         free_tokens = self.allocator.available_size()
+        cached = self.tree.total_size() if self.tree else 0
+        locked = self.tree.protected_size if self.tree else 0
         free_rows = self.req_to_token_pool.available_size()
-        if free_tokens != self.allocator.size or free_rows != self.req_to_token_pool.size:
+        if (free_tokens + cached != self.allocator.size or locked
+                or free_rows != self.req_to_token_pool.size):
             raise RuntimeError(
-                f"KV cache leak: {free_tokens}/{self.allocator.size} token slots and "
-                f"{free_rows}/{self.req_to_token_pool.size} request rows free while idle")
+                f"KV cache leak: {free_tokens} free + {cached} cached ({locked} locked) of "
+                f"{self.allocator.size} token slots, {free_rows}/{self.req_to_token_pool.size} "
+                "request rows free while idle")

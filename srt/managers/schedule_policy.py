@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from srt.managers.req import Req
 
@@ -23,22 +24,37 @@ class PrefillAdder:
         self.reserved = sum(min(r.remaining_new_tokens(), clip_new_tokens) for r in running)
         self.busy = bool(running)
 
-    def select(self, waiting: deque[Req]) -> list[Req]:
+    def select(self, waiting: deque[Req], lock_prefix: Callable[[Req], int] = lambda r: 0,
+               unlock_prefix: Callable[[Req], None] = lambda r: None) -> list[Req]:
+        """``lock_prefix(req)`` takes the request's cached prefix (radix cache) and returns
+        the tokens that stopped being evictable, which leaves the budget; ``unlock_prefix``
+        undoes it for the request that did not fit."""
         picked: list[Req] = []
         extend_tokens = 0
         for req in waiting:
             if len(picked) >= self.slots:
                 break
-            extend = req.seqlen - req.kv_committed_len
-            if picked and extend_tokens + extend > self.max_prefill_tokens:
-                break
+            newly_locked = lock_prefix(req)
+            self.available -= newly_locked
+            extend = req.seqlen - _computed_len(req)
             need = extend + min(req.remaining_new_tokens(), self.clip)
+            too_many = picked and extend_tokens + extend > self.max_prefill_tokens
             if self.busy or picked:
-                if self.reserved + need > self.available:
-                    break
-            elif extend + 1 > self.available:
+                no_room = self.reserved + need > self.available
+            else:
+                no_room = extend + 1 > self.available
+            if too_many or no_room:
+                unlock_prefix(req)
+                self.available += newly_locked
                 break
             picked.append(req)
             self.reserved += need
             extend_tokens += extend
         return picked
+
+
+def _computed_len(req: Req) -> int:
+    """Tokens whose KV exists or comes from the cache: not prefilled again."""
+    if req.req_pool_idx is not None:
+        return req.kv_committed_len
+    return len(req.prefix_slots) if req.prefix_slots is not None else 0

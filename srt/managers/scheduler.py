@@ -23,17 +23,19 @@ from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
 from srt.forward_batch import ForwardMode
 from srt.managers.batch_log import BatchLog
-from srt.managers.io_struct import AbortReq, BatchTokenOut, FinishReason, TokenizedGenerateReq
+from srt.managers.io_struct import (AbortReq, BatchTokenOut, FinishReason, FlushCacheOut, FlushCacheReq,
+                                   TokenizedGenerateReq)
 from srt.managers.req import Req
 from srt.managers.schedule_batch import KVCacheManager
 from srt.managers.schedule_policy import PrefillAdder
 from srt.managers.step_stats import StepStats
+from srt.mem_cache.radix_cache import RadixCache
 from srt.model_config import ModelConfig
 from srt.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-Message = Union[TokenizedGenerateReq, AbortReq]
+Message = Union[TokenizedGenerateReq, AbortReq, FlushCacheReq]
 
 
 class Scheduler:
@@ -47,8 +49,10 @@ class Scheduler:
         self.tokenizer = tokenizer  # only for stop strings
         self.runner = ModelRunner(server_args, model_config, rank_info, tp)
         r = self.runner
+        tree = None if server_args.disable_radix_cache else RadixCache(
+            r.token_to_kv_pool_allocator.free, r.device)
         self.kv = KVCacheManager(r.req_to_token_pool, r.token_to_kv_pool_allocator,
-                                 r.token_to_kv_pool, r.device)
+                                 r.token_to_kv_pool, r.device, tree)
         self.eos_ids = frozenset(model_config.eos_token_ids)
         self.vocab_size = model_config.vocab_size
         self.waiting: deque[Req] = deque()
@@ -57,6 +61,7 @@ class Scheduler:
         self.running_info: Optional[SamplingBatchInfo] = None
         self.reqs: dict[str, Req] = {}
         self.pending_outputs: list[Req] = []  # finished outside a batch (rejected, aborted)
+        self.control_outputs: list[FlushCacheOut] = []  # replies to control messages
         # Unseeded sampling draws from this; same seed and call order on every rank.
         self.generator = torch.Generator(device=r.device)
         self.generator.manual_seed(server_args.random_seed or 0)
@@ -75,7 +80,7 @@ class Scheduler:
 
     # ---- input -----------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pending_outputs
+        return bool(self.waiting or self.running or self.pending_outputs or self.control_outputs
                     or self.grammar_manager.grammar_queue)
 
     def process_input_requests(self, msgs: list[Message]) -> None:
@@ -84,6 +89,8 @@ class Scheduler:
                 self._add_request(m)
             elif isinstance(m, AbortReq):
                 self._abort(m)
+            elif isinstance(m, FlushCacheReq):
+                self.control_outputs.append(self.flush_cache(m.rid))
             else:
                 logger.error("%s ignoring unknown message %r", self.rank_info.log_prefix, type(m))
 
@@ -136,6 +143,14 @@ class Scheduler:
         req.finished_reason = FinishReason("abort", message=m.message, status_code=m.status_code)
         self.pending_outputs.append(req)
 
+    def flush_cache(self, rid: str = "") -> FlushCacheOut:
+        """Every rank sees the same message at the same point, so all flush or none does."""
+        if self.running or self.waiting or self.grammar_manager.grammar_queue:
+            return FlushCacheOut(rid, False, "Cache not flushed: requests are running or waiting.")
+        if not self.kv.flush_cache():
+            return FlushCacheOut(rid, False, "Cache not flushed: part of it is in use.")
+        return FlushCacheOut(rid, True, "Cache flushed." if self.kv.tree else "The radix cache is disabled.")
+
     def collect_timeouts(self) -> list[AbortReq]:
         """Entry rank only: wall-clock timeouts become aborts broadcast with the inputs."""
         out = []
@@ -155,17 +170,18 @@ class Scheduler:
         return out
 
     # ---- one iteration -----------------------------------------------------------------
-    def step(self) -> list[BatchTokenOut]:
+    def step(self) -> list[Union[BatchTokenOut, FlushCacheOut]]:
         start = time.perf_counter()
         self._poll_grammars()
         touched = self.pending_outputs
         self.pending_outputs = []
+        control, self.control_outputs = self.control_outputs, []
         batch = self._get_next_batch_to_run()
         if batch is None:
-            return self._make_outputs(touched)
+            return control + self._make_outputs(touched)
         mode, reqs = batch
         timed = self._run_batch(mode, reqs)
-        outputs = self._make_outputs(touched + reqs)
+        outputs = control + self._make_outputs(touched + reqs)
         times = self.step_stats.mode(mode.name)
         times.steps += 1
         # Whatever the timed phases did not take: batching, bookkeeping, outputs.
@@ -185,7 +201,7 @@ class Scheduler:
         adder = PrefillAdder(self.running, self.kv.available_tokens(),
                              self.server_args.max_running_requests,
                              self.server_args.max_prefill_tokens, self.clip_new_tokens)
-        new_reqs = adder.select(self.waiting)
+        new_reqs = adder.select(self.waiting, self.kv.lock_prefix, self.kv.unlock_prefix)
         if new_reqs:
             for _ in new_reqs:
                 self.waiting.popleft()
@@ -274,6 +290,8 @@ class Scheduler:
         for phase, secs in phases.items():
             times.add(phase, secs)
         timed = sum(phases.values())
+        if self.kv.tree is not None:
+            self.batch_log.record_cache(self.kv.tree.digest)
         if mode is ForwardMode.DECODE:
             self._keep_running([r for r in self.running if not r.finished])
             return timed
@@ -327,6 +345,7 @@ class Scheduler:
             finished_reasons=tuple(r.finished_reason for r in picked),
             prompt_tokens=tuple(len(r.origin_input_ids) for r in picked),
             completion_tokens=tuple(len(r.output_ids) for r in picked),
+            cached_tokens=tuple(r.cached_tokens or 0 for r in picked),
         )]
 
     # ---- loop ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
@@ -18,7 +19,7 @@ from srt.managers.detokenizer import DecodeState
 from srt.managers.dp_dispatch import DPDispatcher
 from srt.managers.generate_input import GenerateReqInput, prepare_request
 from srt.managers.io_struct import (
-    FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, AbortReq, FinishReason, PortArgs, SchedulerInfo,
+    FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, AbortReq, FinishReason, FlushCacheOut, FlushCacheReq, PortArgs, SchedulerInfo,
     TokenizedGenerateReq,
 )
 from srt.managers.wire import DropCounter, recv_message_async
@@ -40,6 +41,7 @@ class _ReqState:
     output_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     finish_reason: Optional[FinishReason] = None
     dp_rank: int = 0  # the DP group serving it: aborts must go to the same group
 
@@ -61,6 +63,7 @@ class TokenizerManager:
         # can run from finally-blocks of cancelled tasks (client disconnects) too.
         # One PUSH per DP group: a connecting PUSH queues until the peer is there.
         addrs = scheduler_input_addrs or port_args.scheduler_input_ipcs
+        self._flush_waiters: dict[str, asyncio.Future] = {}
         self._sends = []
         for addr in addrs:
             sock = self.transport.connect(zmq.PUSH, addr)
@@ -154,13 +157,33 @@ class TokenizerManager:
         if state is not None:
             self._send(state.dp_rank, AbortReq(rid) if message is None else AbortReq(rid, message))
 
+    async def flush_cache(self, timeout: float = 30.0) -> FlushCacheOut:
+        """Ask every DP group to empty its radix cache; success only if all of them did."""
+        loop = asyncio.get_running_loop()
+        rids = [f"flush-{uuid.uuid4().hex}" for _ in self._sends]
+        waiters = [loop.create_future() for _ in rids]
+        self._flush_waiters.update(zip(rids, waiters))
+        try:
+            for dp_rank, rid in enumerate(rids):
+                self._send(dp_rank, FlushCacheReq(rid))
+            replies = await asyncio.wait_for(asyncio.gather(*waiters), timeout)
+        except asyncio.TimeoutError:
+            return FlushCacheOut("", False, f"No answer from the scheduler within {timeout:.0f} s.")
+        finally:
+            for rid in rids:
+                self._flush_waiters.pop(rid, None)
+        failed = [r for r in replies if not r.success]
+        return failed[0] if failed else replies[0]
+
     def _send(self, dp_rank: int, msg) -> None:
         self._sends[dp_rank].send(SCHEDULER_INPUT_CODEC.encode(msg), copy=False)
 
-    def _apply(self, state: _ReqState, new_ids, reason, prompt_tokens, completion_tokens) -> None:
+    def _apply(self, state: _ReqState, new_ids, reason, prompt_tokens, completion_tokens,
+               cached_tokens=0) -> None:
         new_ids = list(new_ids)
         state.output_ids.extend(new_ids)
         state.prompt_tokens, state.completion_tokens = prompt_tokens, completion_tokens
+        state.cached_tokens = cached_tokens
         text_ids = new_ids
         if reason is not None:
             state.finish_reason = reason
@@ -186,6 +209,7 @@ class TokenizerManager:
                 "id": state.req.rid,
                 "prompt_tokens": state.prompt_tokens,
                 "completion_tokens": state.completion_tokens,
+                "cached_tokens": state.cached_tokens,
                 "finish_reason": fr,
             },
         }
@@ -212,12 +236,18 @@ class TokenizerManager:
                 continue
             if out is None:  # not a valid message: dropped and counted
                 continue
+            if isinstance(out, FlushCacheOut):
+                waiter = self._flush_waiters.get(out.rid)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(out)
+                continue
             for i, rid in enumerate(out.rids):
                 state = self.rid_to_state.get(rid)
                 if state is not None:  # else: already gone (aborted by us)
                     state.queue.put_nowait((
                         out.new_token_ids[i], out.finished_reasons[i],
                         out.prompt_tokens[i], out.completion_tokens[i],
+                        out.cached_tokens[i] if out.cached_tokens else 0,
                     ))
 
     @property

@@ -15,7 +15,7 @@ from typing import Optional
 from srt import environ
 
 # Endpoints that act on other users' requests or on server state (and expose its config).
-ADMIN_PATHS = frozenset({"/abort_request", "/get_server_info"})
+ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache", "/get_server_info"})
 OPEN_PATHS = frozenset({"/health"})
 
 

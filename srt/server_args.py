@@ -38,6 +38,7 @@ class ServerArgs:
     max_total_tokens: Optional[int] = _f(None, "KV-cache pool size in tokens (default: from --mem-fraction-static).")
     mem_fraction_static: Optional[float] = _f(None, "Fraction of free memory for the KV cache (default: 0.85 on CUDA, 0.1 of RAM on CPU).")
     max_running_requests: int = _f(64, "Maximum requests decoding at once.")
+    chunked_prefill_size: Optional[int] = _f(None, "Most prompt tokens prefilled in one step: a longer prompt is split into chunks, with a decode step for the running requests after each. -1 disables. Default: 256 on CPU, 8192 on CUDA (README 'Chunked prefill').")
     max_prefill_tokens: int = _f(8192, "Token budget of one prefill batch (a longer single prompt still runs alone).")
     stream_interval: int = _f(1, "Send stream chunks every this many decode steps.")
     random_seed: Optional[int] = _f(None, "Seed for unseeded sampling (default: random, shared by all ranks).")
@@ -102,6 +103,9 @@ class ServerArgs:
             raise ValueError("--grammar-compile-threads and --grammar-cache-size must be at least 1")
         if self.enable_torch_compile and self.disable_torch_compile:
             raise ValueError("--enable-torch-compile and --disable-torch-compile exclude each other")
+        if self.chunked_prefill_size is not None and (self.chunked_prefill_size == 0
+                                                      or self.chunked_prefill_size < -1):
+            raise ValueError("--chunked-prefill-size must be positive, or -1 to disable chunking")
         if self.torch_compile_max_bs < 1 or self.cuda_graph_max_bs < 1:
             raise ValueError("--torch-compile-max-bs and --cuda-graph-max-bs must be at least 1")
         if self.torchao_config is not None and self.torchao_config not in TORCHAO_CONFIGS:

@@ -43,39 +43,60 @@ def smollm2_tokenizer(smollm2_dir):
 
 def _launch_server(tmp_path_factory, model_dir: str, extra_args: list[str], env: dict | None = None):
     """Yield the base URL of a real server (`python launch.py`, embedded SmolLM2 on CPU);
-    ``env`` adds environment variables for the server's processes."""
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "launch.py", "--max-total-tokens", "4096", "--port", str(port),
-         "--model-path", model_dir, "--served-model-name", "smollm2", "--log-level", "warning",
-         *extra_args],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
-    base = f"http://127.0.0.1:{port}"
+    ``env`` adds environment variables for the server's processes. The free port is
+    picked before the server binds it, so another process can take it in between (the
+    server's own torch.distributed store, at TP > 1): then it starts again on a new port."""
+    for _ in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log_path = tmp_path_factory.mktemp("server") / "server.log"
+        log = open(log_path, "wb")
+        proc = subprocess.Popen(
+            [sys.executable, "launch.py", "--max-total-tokens", "4096", "--port", str(port),
+             "--model-path", model_dir, "--served-model-name", "smollm2", "--log-level", "warning",
+             *extra_args],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            if _wait_healthy(proc, base, log_path):
+                break
+        except BaseException:
+            stop_process_group(proc)
+            log.close()
+            raise
+        stop_process_group(proc)  # lost the port race: try another port
+        log.close()
+    else:
+        pytest.fail(f"server could not bind a free port in 3 tries:\n{log_path.read_text()[-3000:]}")
     try:
-        deadline = time.time() + SERVER_STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            if time.time() > deadline:
-                pytest.fail(f"server not healthy after {SERVER_STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
         yield base
     finally:  # always take the whole process group down (frontend + scheduler ranks)
         stop_process_group(proc)
         log.close()
+
+
+def _wait_healthy(proc, base: str, log_path) -> bool:
+    """True once /health answers; False if the server exited because its port was taken."""
+    import httpx
+
+    deadline = time.time() + SERVER_STARTUP_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            text = log_path.read_text()
+            if "address already in use" in text:
+                return False
+            pytest.fail(f"server exited with {proc.returncode}:\n{text[-3000:]}")
+        if time.time() > deadline:
+            pytest.fail(f"server not healthy after {SERVER_STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,9 @@ One line per batch: ``<step> <mode> <rid>,<rid>,...``, written to
 ``<dir>/batches_DP{d}_TP{t}.log``; after a batch whose sampled ids went through the token
 agreement (TP > 1, grammars in the batch), a line ``<step> AGREE <mismatches>``: how many
 of this rank's own samples differed from the agreed ids (expected: always 0); with the
-radix cache on, ``<step> CACHE <digest>`` after every batch: a hash of the whole prefix
-tree (keys, slots, locks) once the batch's requests were cached or released. The ranks of a TP group must write identical files:
+radix cache on, ``<step> CACHE <digest> <evicted>`` after every batch: a hash of the whole
+prefix tree (keys, slots, locks) once the batch's requests were cached or released, and
+the tokens evicted so far. The ranks of a TP group must write identical files:
 comparing them is how lock-step is checked (the multi-rank tests do) and how a
 divergence is found in production.
 """
@@ -41,7 +42,7 @@ class BatchLog:
         if self._file is not None:
             self._file.write(f"{self._step - 1} AGREE {mismatches}\n")
 
-    def record_cache(self, digest: Callable[[], str]) -> None:
+    def record_cache(self, digest: Callable[[], str], evicted: int) -> None:
         """``digest`` is only computed when the log is on (it walks the whole tree)."""
         if self._file is not None:
-            self._file.write(f"{self._step - 1} CACHE {digest()}\n")
+            self._file.write(f"{self._step - 1} CACHE {digest()} {evicted}\n")

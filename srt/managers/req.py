@@ -26,6 +26,9 @@ class Req:
         self.last_node = None
         self.prefix_len = 0
         self.cached_tokens: Optional[int] = None  # prompt tokens served from the cache
+        # Chunked prefill: tokens this step prefills when that is less than the rest of
+        # the prompt (set by the PrefillAdder for one step; None: prefill to the end).
+        self.extend_limit: Optional[int] = None
         self.sent_len = 0  # output tokens already sent to the frontend
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids)

@@ -69,10 +69,11 @@ class KVCacheManager:
                     r.prefix_len = r.kv_committed_len = n
             fill = r.fill_ids
             start = r.kv_committed_len
-            ids.extend(fill[start:])
-            positions.extend(range(start, len(fill)))
+            end = len(fill) if r.extend_limit is None else start + r.extend_limit
+            ids.extend(fill[start:end])
+            positions.extend(range(start, end))
             prefix_lens.append(start)
-            extend_lens.append(len(fill) - start)
+            extend_lens.append(end - start)
         out_loc = self._alloc(len(ids))
         assert all(r.req_pool_idx is not None for r in reqs)
         offset = 0

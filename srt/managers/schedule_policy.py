@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Callable, Optional
 
 from srt.managers.req import Req
 
@@ -16,10 +16,11 @@ class PrefillAdder:
     """
 
     def __init__(self, running: list[Req], available_tokens: int, max_running: int,
-                 max_prefill_tokens: int, clip_new_tokens: int):
+                 max_prefill_tokens: int, clip_new_tokens: int, chunk_size: Optional[int] = None):
         self.available = available_tokens
         self.slots = max_running - len(running)
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_size = chunk_size  # None: no chunking
         self.clip = clip_new_tokens
         self.reserved = sum(min(r.remaining_new_tokens(), clip_new_tokens) for r in running)
         self.busy = bool(running)
@@ -37,8 +38,11 @@ class PrefillAdder:
             newly_locked = lock_prefix(req)
             self.available -= newly_locked
             extend = req.seqlen - _computed_len(req)
+            # This step's share: all of it, or what is left of the chunk budget.
+            step = extend if self.chunk_size is None else min(extend, self.chunk_size - extend_tokens)
+            # The whole rest is reserved even when chunked, as it would be unchunked.
             need = extend + min(req.remaining_new_tokens(), self.clip)
-            too_many = picked and extend_tokens + extend > self.max_prefill_tokens
+            too_many = step <= 0 or (picked and extend_tokens + step > self.max_prefill_tokens)
             if self.busy or picked:
                 no_room = self.reserved + need > self.available
             else:
@@ -49,7 +53,10 @@ class PrefillAdder:
                 break
             picked.append(req)
             self.reserved += need
-            extend_tokens += extend
+            extend_tokens += step
+            req.extend_limit = step if step < extend else None
+            if req.extend_limit is not None:
+                break  # a chunked request is always the batch's last
         return picked
 
 

@@ -67,6 +67,8 @@ class Scheduler:
         self.generator.manual_seed(server_args.random_seed or 0)
         self.clip_new_tokens = environ.SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION.get()
         self.num_retractions = 0
+        self.chunk_size = resolve_chunk_size(server_args.chunked_prefill_size, r.device)
+        self._decode_next = False  # after a prefill chunk, running requests decode first
         backend = create_grammar_backend(server_args, tokenizer, self.vocab_size,
                                          tuple(model_config.eos_token_ids))
         self.grammar_manager = GrammarManager(backend, tp, rank_info.log_prefix)
@@ -198,9 +200,16 @@ class Scheduler:
             self.pending_outputs.append(req)
 
     def _get_next_batch_to_run(self) -> Optional[tuple[ForwardMode, list[Req]]]:
+        if self._decode_next:  # alternate chunks with decode steps: no decode starves
+            self._decode_next = False
+            if self.running:
+                self._ensure_decode_capacity()
+                if self.running:
+                    return ForwardMode.DECODE, list(self.running)
         adder = PrefillAdder(self.running, self.kv.available_tokens(),
                              self.server_args.max_running_requests,
-                             self.server_args.max_prefill_tokens, self.clip_new_tokens)
+                             self.server_args.max_prefill_tokens, self.clip_new_tokens,
+                             self.chunk_size)
         new_reqs = adder.select(self.waiting, self.kv.lock_prefix, self.kv.unlock_prefix)
         if new_reqs:
             for _ in new_reqs:
@@ -243,6 +252,17 @@ class Scheduler:
         t0 = time.perf_counter()
         logits = self.runner.forward(fb)
         t1 = time.perf_counter()
+        if mode is ForwardMode.EXTEND and reqs[-1].extend_limit is not None:
+            # Mid-prefill: no token (its grammar and sampling state see nothing); it goes
+            # back to the queue's front, and the running requests decode next.
+            chunked = reqs.pop()
+            chunked.extend_limit = None
+            self.waiting.appendleft(chunked)
+            self._decode_next = True
+            logits = logits[:len(reqs)]
+            if not reqs:
+                times.add("forward", t1 - t0)
+                return t1 - t0
         if mode is ForwardMode.EXTEND:
             info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.runner.device,
                                                self.generator)
@@ -291,7 +311,7 @@ class Scheduler:
             times.add(phase, secs)
         timed = sum(phases.values())
         if self.kv.tree is not None:
-            self.batch_log.record_cache(self.kv.tree.digest)
+            self.batch_log.record_cache(self.kv.tree.digest, self.kv.tree.evicted_tokens)
         if mode is ForwardMode.DECODE:
             self._keep_running([r for r in self.running if not r.finished])
             return timed
@@ -360,3 +380,11 @@ class Scheduler:
                 send(out)
             if not self.has_work():
                 self.kv.check_idle_integrity()
+
+
+def resolve_chunk_size(configured: Optional[int], device: str) -> Optional[int]:
+    """--chunked-prefill-size: None -> the device's default (README "Chunked prefill"),
+    -1 -> no chunking."""
+    if configured is None:
+        return 256 if device == "cpu" else 8192
+    return None if configured == -1 else configured

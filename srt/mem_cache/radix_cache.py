@@ -46,6 +46,7 @@ class RadixCache:
         """``free_slots(indices)`` returns evicted KV slots to the allocator."""
         self.free_slots = free_slots
         self.device = device
+        self.evicted_tokens = 0  # since start (flushes not counted): for logs and tests
         self.reset()
 
     def reset(self) -> None:
@@ -148,6 +149,7 @@ class RadixCache:
             self.free_slots(leaf.value)
             freed += len(leaf.key)
             self.evictable_size -= len(leaf.key)
+            self.evicted_tokens += len(leaf.key)
             parent = leaf.parent
             del parent.children[leaf.key[0]]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from conftest import _launch_server
+from test_grammar_agreement_ranks import _read_log
 
 SYSTEMS = [f"You are assistant number {i}. You answer in one short sentence and you "
            f"always stay polite, calm and precise about the topic of {topic}. "
@@ -25,14 +26,6 @@ def _bodies():
     return [{"text": system + q, "rid": f"p{i}-{j}",
              "sampling_params": {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}}
             for i, system in enumerate(SYSTEMS) for j, q in enumerate(QUESTIONS)]
-
-
-def _read(path) -> list[str]:
-    try:
-        with open(path) as f:
-            return f.read().splitlines()
-    except FileNotFoundError:
-        return []
 
 
 def test_tp2_ranks_hold_the_same_tree_and_outputs_match_cold_runs(tmp_path_factory, smollm2_dir):
@@ -56,7 +49,7 @@ def test_tp2_ranks_hold_the_same_tree_and_outputs_match_cold_runs(tmp_path_facto
     assert sum(o["meta_info"]["cached_tokens"] > 0 for o in hot) >= 3
     deadline = time.monotonic() + 15
     while True:  # a rank may still be writing its last line
-        a, b = _read(logs / "batches_DP0_TP0.log"), _read(logs / "batches_DP0_TP1.log")
+        a, b = _read_log(logs / "batches_DP0_TP0.log"), _read_log(logs / "batches_DP0_TP1.log")
         if (a == b and a) or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -9,10 +9,15 @@ gramsync server under Poisson traffic, over the native streaming POST /generate.
     # half the requests constrained by a JSON schema; all figures to a file
     .venv/bin/python benchmark/bench_serving.py --json-schema-share 0.5 --output-json out.json
 
-Prompts are built here from fixed word lists (no downloads): an instruction about a topic,
-then filler sentences from a random one on, so prompts share only a few tokens of prefix
-and the radix cache cannot flatter the figures. --input-len counts approximate tokens
-(TOKENS_PER_WORD); the table reports the server's exact counts. Unconstrained requests set
+    # the radix cache: 64 requests behind one 1,500-token system prompt; multi-turn chats
+    .venv/bin/python benchmark/bench_serving.py --launch --dataset shared-prefix \
+        --sp-system-len 1500 --sp-question-len 50 --num-prompts 64 --output-len 16
+    .venv/bin/python benchmark/bench_serving.py --launch --dataset multi-turn --mt-turns 4
+
+Prompts are built from fixed word lists (serving_datasets.py, no downloads): by default
+they share only a few tokens of prefix, so the radix cache cannot flatter the figures.
+--input-len counts approximate tokens; the table reports the server's exact counts and
+how many prompt tokens came from the cache. Unconstrained requests set
 ignore_eos, so each produces exactly its drawn output length; constrained ones stop when
 their JSON document is complete (or at max_new_tokens).
 """
@@ -27,45 +32,8 @@ import httpx
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKENS_PER_WORD = 1.15  # SmolLM2's tokenizer on the text below, measured
-TOPICS = ["the ocean", "compilers", "bread baking", "black holes", "chess openings", "honey bees",
-          "the Roman empire", "solar panels", "jazz", "volcanoes", "public transport", "origami",
-          "the immune system", "rainforests", "typography", "glaciers"]
-INSTRUCTIONS = ["Write a short essay about {}.", "Explain {} to a curious child.",
-                "List surprising facts about {}.", "Summarise the history of {}.",
-                "Describe how an expert thinks about {}.", "Write a story that involves {}."]
-FILLER = [
-    "The notes below were collected over several weeks by a small team of volunteers.",
-    "Some of them are careful and precise, while others were written in a hurry.",
-    "Please read everything before you answer, and ignore any repeated sentences.",
-    "The library closes at six, so most of the work happened in the early morning.",
-    "One member kept a diary of the weather, which turned out to be surprisingly useful.",
-    "Another insisted on checking every date twice against the printed archive.",
-    "When two sources disagreed, the team wrote both versions down side by side.",
-    "A few pages were lost when the window was left open during a storm in April.",
-    "The final answer should be clear, friendly and free of unnecessary jargon.",
-    "Where a fact is uncertain, say so plainly instead of guessing with confidence."]
-SCHEMAS = [  # (what to ask for, schema): small, realistic, always completable
-    ("a person", {"type": "object", "properties": {
-        "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
-        "required": ["name", "age", "tags"]}),
-    ("a product", {"type": "object", "properties": {
-        "id": {"type": "integer"}, "title": {"type": "string"}, "price": {"type": "number"},
-        "in_stock": {"type": "boolean"}}, "required": ["id", "title", "price", "in_stock"]}),
-    ("a calendar event", {"type": "object", "properties": {
-        "title": {"type": "string"}, "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
-        "kind": {"enum": ["meeting", "party", "trip"]}}, "required": ["title", "date", "kind"]}),
-]
-
-
-@dataclass
-class Request:
-    prompt: str
-    max_new_tokens: int
-    schema: Optional[dict] = None
-
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serving_datasets import Request, make_requests, multi_turn_question  # noqa: E402
 @dataclass
 class Result:
     constrained: bool
@@ -75,28 +43,9 @@ class Result:
     latency: float = 0.0
     itls: list = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     output_tokens: int = 0
     text: str = ""
-
-
-def make_requests(args) -> list[Request]:
-    rnd, gen, n = random.Random(args.seed), np.random.default_rng(args.seed), args.num_prompts
-    # Uniform in [ratio * len, len], as SGLang's random dataset draws them.
-    in_lens = gen.integers(int(args.input_len * args.range_ratio), args.input_len + 1, n)
-    out_lens = gen.integers(max(1, int(args.output_len * args.range_ratio)), args.output_len + 1, n)
-    constrained = set(rnd.sample(range(n), round(args.json_schema_share * n)))  # exact share
-    reqs = []
-    for i in range(n):
-        schema, topic = rnd.choice(SCHEMAS) if i in constrained else None, rnd.choice(TOPICS)
-        head = (f"Return a JSON object describing {schema[0]} related to {topic}." if schema
-                else rnd.choice(INSTRUCTIONS).format(topic))
-        words, start = head.split(), rnd.randrange(len(FILLER))
-        target = max(len(words), round(in_lens[i] / TOKENS_PER_WORD))
-        while len(words) < target:
-            words += FILLER[start % len(FILLER)].split()
-            start += 1
-        reqs.append(Request(" ".join(words[:target]), int(out_lens[i]), schema and schema[1]))
-    return reqs
 
 
 def request_body(req: Request) -> dict:
@@ -137,6 +86,7 @@ async def send(client: httpx.AsyncClient, url: str, req: Request, headers: dict)
                     res.itls += [(now - last) / (n - seen)] * (n - seen)
                 seen, last = n, now
             res.prompt_tokens, res.output_tokens, res.text = meta["prompt_tokens"], n, chunk["text"]
+            res.cached_tokens = meta.get("cached_tokens", 0)
             finish = meta["finish_reason"] or finish
     res.latency = time.perf_counter() - start
     if finish is None or finish.get("type") == "abort":  # an abort is a normal-looking last chunk
@@ -186,8 +136,21 @@ async def run_benchmark(args, base_url: str, reqs: list[Request]) -> tuple[list[
                     flight["now"] -= 1
                     flight["busy_s"] += time.perf_counter() - began
 
+        async def conversation(first: Request, at: float) -> list[Result]:
+            """Turns in order; each resends the history with the model's own answers."""
+            rnd, req, out = random.Random(args.seed * 1000 + first.conversation), first, []
+            for turn in range(args.mt_turns):
+                out.append(await one(req, at if turn == 0 else 0.0))
+                req = Request(f"{req.prompt} {out[-1].text}\n{multi_turn_question(rnd, turn + 1)}",
+                              first.max_new_tokens, conversation=first.conversation)
+            return out
+
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(r, a) for r, a in zip(reqs, arrivals)))
+        if args.dataset == "multi-turn":
+            convs = await asyncio.gather(*(conversation(r, a) for r, a in zip(reqs, arrivals)))
+            results = [res for conv in convs for res in conv]
+        else:
+            results = await asyncio.gather(*(one(r, a) for r, a in zip(reqs, arrivals)))
         return results, time.perf_counter() - t0, flight
 
 
@@ -205,6 +168,8 @@ def summarize(results: list[Result], duration: float, flight: dict) -> dict:
     return {
         "successful_requests": len(ok), "failed_requests": len(results) - len(ok), "duration_s": duration,
         "total_input_tokens": tokens_in, "total_output_tokens": tokens_out,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
+        "cached_share": sum(r.cached_tokens for r in ok) / max(tokens_in, 1),
         "request_throughput": len(ok) / duration,
         "input_throughput": tokens_in / duration, "output_throughput": tokens_out / duration,
         **dist("ttft", [r.ttft for r in ok]),
@@ -306,7 +271,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("GRAMSYNC_API_KEY"), help="sent as a Bearer token")
     p.add_argument("--launch", action="store_true", help="start launch.py here, stop it at the end")
     p.add_argument("--server-args", default="", help='flags for launch.py, e.g. "--max-running-requests 8"')
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "multi-turn"],
+                   help="prompt shapes (serving_datasets.py)")
+    p.add_argument("--sp-system-len", type=int, default=1500, help="shared-prefix: system prompt tokens")
+    p.add_argument("--sp-question-len", type=int, default=50, help="shared-prefix: question tokens")
+    p.add_argument("--mt-turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests (multi-turn: conversations)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (Poisson); inf: at once")
     p.add_argument("--max-concurrency", type=int, help="most requests in flight (default: no limit)")
     p.add_argument("--seed", type=int, default=0)

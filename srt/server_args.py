@@ -66,7 +66,7 @@ class ServerArgs:
     # Parallelism
     tp_size: int = _f(1, "Tensor-parallel size: ranks that shard one copy of the model.")
     dp_size: int = _f(1, "Data-parallel size: independent TP groups; the frontend spreads requests over them.")
-    load_balance_method: str = _f("round_robin", "How the frontend picks a DP group for a request: round_robin, or shortest_queue (fewest requests in flight).", ["round_robin", "shortest_queue"])
+    load_balance_method: str = _f("round_robin", "How the frontend picks a DP group for a request: round_robin, shortest_queue (fewest requests in flight), or prefix_aware (the group whose radix cache most likely holds the prompt's prefix, within a load slack; else the shortest queue).", ["round_robin", "shortest_queue", "prefix_aware"])
     nnodes: int = _f(1, "Number of nodes (without torchrun: start launch.py on each with --node-rank).")
     node_rank: int = _f(0, "This node's rank (node 0 runs the HTTP frontend).")
     dist_init_addr: Optional[str] = _f(None, "host:port of node 0 for torch.distributed init (default on one node: a free local port; required with --nnodes > 1).")

@@ -502,3 +502,22 @@ def test_startup_failure_names_the_rank(tmp_path, smollm2_dir):
                     "every rank of the failed launch to exit")
     finally:
         _stop(proc, list(seen.values()))
+
+
+def test_dp_dispatcher_prefix_aware_follows_the_cache_within_the_load_slack():
+    from srt.managers.dp_dispatch import DPDispatcher
+
+    d = DPDispatcher(2, "prefix_aware", balance_slack=1)
+    chat = list(range(100, 140))
+    assert d.pick(chat) == 0  # nothing cached anywhere: the shortest queue
+    assert d.pick(list(range(500, 540))) == 1  # another prefix: the other (shorter) group
+    # The chat's next turns (its history + more) follow it to group 0 while the load allows.
+    assert d.pick(chat + [7, 8]) == 0 and d.pick(chat + [9]) == 0
+    assert d.prefix_routed == 2 and d.in_flight == [3, 1]
+    assert d.pick(chat + [10]) == 1  # group 0 is 2 busier: the shortest queue wins
+    d.done(0)
+    d.done(0)
+    assert d.in_flight == [1, 2]
+    assert d.pick(chat + [11]) == 0  # both groups hold the chat now: the less busy one
+    assert d.pick([1, 2, 3]) == 0  # no match: the shortest queue (ties: the lowest group)
+    assert d.pick(None) == 1  # no ids: the shortest queue

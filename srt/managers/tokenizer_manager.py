@@ -129,7 +129,7 @@ class TokenizerManager:
         p = req.sampling_params
         state = _ReqState(req, DecodeState(self.tokenizer, req.input_ids, p.stop, p.skip_special_tokens))
         state.prompt_tokens = len(req.input_ids)
-        state.dp_rank = self.dispatcher.pick()
+        state.dp_rank = self.dispatcher.pick(req.input_ids)
         self.rid_to_state[req.rid] = state
         try:
             self._send(state.dp_rank, req)

@@ -141,6 +141,24 @@ class KVCacheManager:
         req.kv_committed_len = req.prefix_len = 0
         req.last_node = req.prefix_slots = None
 
+    def cache_prefilled(self, req: Req) -> None:
+        """Right after a request's prompt is prefilled, put it in the tree, so requests
+        arriving while it still decodes share it (SGLang's cache_unfinished_req). Slots the
+        tree already held for the same tokens replace the request's own copies."""
+        if self.tree is None or req.req_pool_idx is None:
+            return
+        n, row = req.kv_committed_len, self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        slots = row[:n].clone()
+        cached = self.tree.insert(req.fill_ids[:n], slots)
+        if cached > req.prefix_len:  # computed again while already cached by another
+            self.allocator.free(slots[req.prefix_len:cached])
+        tree_slots, node = self.tree.match_prefix(req.fill_ids[:n])
+        row[:n] = tree_slots
+        self.tree.inc_lock_ref(node)
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        req.last_node, req.prefix_len = node, n
+
     def flush_cache(self) -> bool:
         """Empty the tree (POST /flush_cache); only when nothing holds a lock on it."""
         if self.tree is None:

@@ -316,6 +316,8 @@ class Scheduler:
             self._keep_running([r for r in self.running if not r.finished])
             return timed
         keep = [i for i, r in enumerate(reqs) if not r.finished]
+        for i in keep:  # their prompts' KV is shared from now on, not only after they finish
+            self.kv.cache_prefilled(reqs[i])
         if not keep:
             return timed
         if len(keep) < len(reqs):

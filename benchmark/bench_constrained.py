@@ -38,8 +38,11 @@ def make_scheduler(backend: str, concurrency: int, dtype: str):
     from srt.server_args import ServerArgs
 
     path = resolve_model_path(None)
+    # Compiled before timing (the served default at TP=1 compiles in the background,
+    # which would time the eager step and a busy compile thread instead).
     args = ServerArgs(model_path=path, random_seed=0, grammar_backend=backend, dtype=dtype,
-                      max_running_requests=concurrency, max_total_tokens=concurrency * 256)
+                      max_running_requests=concurrency, max_total_tokens=concurrency * 256,
+                      wait_for_torch_compile=True)
     tok = AutoTokenizer.from_pretrained(path)
     return Scheduler(args, RankInfo(), SINGLE_RANK, ModelConfig.from_path(path, None), tok), tok
 

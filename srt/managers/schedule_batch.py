@@ -127,13 +127,11 @@ class KVCacheManager:
         released, and its table row is freed. Without the tree, every slot is freed."""
         if req.req_pool_idx is None:
             return
-        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_committed_len].clone()
         if self.tree is None:
-            self.allocator.free(slots)
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            self.allocator.free(row[:req.kv_committed_len].clone())
         else:
-            cached = self.tree.insert(req.fill_ids[:req.kv_committed_len], slots)
-            if cached > req.prefix_len:  # computed again while already cached by another
-                self.allocator.free(slots[req.prefix_len:cached])
+            self._insert(req, req.kv_committed_len)
             if req.last_node is not None:
                 self.tree.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
@@ -148,16 +146,21 @@ class KVCacheManager:
         if self.tree is None or req.req_pool_idx is None:
             return
         n, row = req.kv_committed_len, self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        slots = row[:n].clone()
-        cached = self.tree.insert(req.fill_ids[:n], slots)
-        if cached > req.prefix_len:  # computed again while already cached by another
-            self.allocator.free(slots[req.prefix_len:cached])
+        self._insert(req, n)
         tree_slots, node = self.tree.match_prefix(req.fill_ids[:n])
         row[:n] = tree_slots
         self.tree.inc_lock_ref(node)
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.prefix_len = node, n
+
+    def _insert(self, req: Req, n: int) -> None:
+        """Put the request's first ``n`` tokens in the tree; free its own slots for tokens
+        the tree already held (computed again while another request cached them)."""
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].clone()
+        cached = self.tree.insert(req.fill_ids[:n], slots)
+        if cached > req.prefix_len:
+            self.allocator.free(slots[req.prefix_len:cached])
 
     def flush_cache(self) -> bool:
         """Empty the tree (POST /flush_cache); only when nothing holds a lock on it."""

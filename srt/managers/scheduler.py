@@ -202,10 +202,9 @@ class Scheduler:
     def _get_next_batch_to_run(self) -> Optional[tuple[ForwardMode, list[Req]]]:
         if self._decode_next:  # alternate chunks with decode steps: no decode starves
             self._decode_next = False
-            if self.running:
-                self._ensure_decode_capacity()
-                if self.running:
-                    return ForwardMode.DECODE, list(self.running)
+            batch = self._decode_batch() if self.running else None
+            if batch is not None:
+                return batch
         adder = PrefillAdder(self.running, self.kv.available_tokens(),
                              self.server_args.max_running_requests,
                              self.server_args.max_prefill_tokens, self.clip_new_tokens,
@@ -215,11 +214,11 @@ class Scheduler:
             for _ in new_reqs:
                 self.waiting.popleft()
             return ForwardMode.EXTEND, new_reqs
-        if self.running:
-            self._ensure_decode_capacity()
-            if self.running:
-                return ForwardMode.DECODE, list(self.running)
-        return None
+        return self._decode_batch() if self.running else None
+
+    def _decode_batch(self) -> Optional[tuple[ForwardMode, list[Req]]]:
+        self._ensure_decode_capacity()
+        return (ForwardMode.DECODE, list(self.running)) if self.running else None
 
     def _ensure_decode_capacity(self) -> None:
         """Each decode step needs one slot per request: retract the newest if short."""
@@ -310,14 +309,15 @@ class Scheduler:
         for phase, secs in phases.items():
             times.add(phase, secs)
         timed = sum(phases.values())
-        if self.kv.tree is not None:
+        keep = [i for i, r in enumerate(reqs) if not r.finished]
+        if mode is ForwardMode.EXTEND:
+            for i in keep:  # their prompts' KV is shared from now on, not only after they finish
+                self.kv.cache_prefilled(reqs[i])
+        if self.kv.tree is not None:  # the tree as this batch left it
             self.batch_log.record_cache(self.kv.tree.digest, self.kv.tree.evicted_tokens)
         if mode is ForwardMode.DECODE:
             self._keep_running([r for r in self.running if not r.finished])
             return timed
-        keep = [i for i, r in enumerate(reqs) if not r.finished]
-        for i in keep:  # their prompts' KV is shared from now on, not only after they finish
-            self.kv.cache_prefilled(reqs[i])
         if not keep:
             return timed
         if len(keep) < len(reqs):

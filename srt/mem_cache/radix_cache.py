@@ -71,9 +71,9 @@ class RadixCache:
         return self.evictable_size + self.protected_size
 
     # ---- lookup and insertion ---------------------------------------------------------
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
-        """The KV slots of the longest cached prefix of ``key`` and the node it ends at
-        (split if the match ends inside an edge, so the node covers exactly the match)."""
+    def _walk(self, key: list[int]) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow ``key`` down the tree, splitting the edge where it diverges, touching
+        every node on the way; returns the deepest node, tokens matched, their slots."""
         node, values, pos, now = self.root, [], 0, self._tick()
         node.last_access = now
         while pos < len(key) and key[pos] in node.children:
@@ -85,8 +85,13 @@ class RadixCache:
             values.append(child.value)
             pos += n
             node = child
-        slots = torch.cat(values) if values else self.root.value
-        return slots, node
+        return node, pos, values
+
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """The KV slots of the longest cached prefix of ``key`` and the node it ends at
+        (split if the match ends inside an edge, so the node covers exactly the match)."""
+        node, _, values = self._walk(key)
+        return (torch.cat(values) if values else self.root.value), node
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child``'s edge after ``n`` tokens; returns the new upper node."""
@@ -100,15 +105,7 @@ class RadixCache:
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Cache ``key`` with slots ``value``; returns how many leading tokens were already
         cached (their slots in ``value`` are duplicates the caller must free)."""
-        node, pos, now = self.root, 0, self._tick()
-        while pos < len(key) and key[pos] in node.children:
-            child = node.children[key[pos]]
-            n = _common_len(child.key, key[pos:])
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access = now
-            pos += n
-            node = child
+        node, pos, _ = self._walk(key)
         if pos < len(key):
             leaf = self._new_node(node, key[pos:], value[pos:].clone())
             node.children[key[pos]] = leaf

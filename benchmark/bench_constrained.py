@@ -1,24 +1,32 @@
 """Constrained vs unconstrained decode throughput, same prompts, same run.
 
     .venv/bin/python benchmark/bench_constrained.py [--concurrency 32] [--max-new-tokens 64]
-        [--repeats 3] [--dtype auto] [--skip-bitmask]
+        [--repeats 3] [--dtype auto] [--eager] [--profile] [--skip-bitmask]
 
-The real scheduler (SmolLM2, in process, no HTTP) runs --concurrency requests at once,
-greedily, three ways: unconstrained, and with one JSON schema through xgrammar and through
-llguidance. Every request makes exactly --max-new-tokens tokens (ignore_eos; the schema is
-an open-ended list, so the grammar never ends first), so all three runs decode the same
-batch sizes. Grammars are compiled (and cached) by a warm-up run; the timed runs measure
-decoding only. The three configurations alternate within each repeat; medians are printed.
+One real scheduler (SmolLM2, in process, no HTTP; its decode step compiled before timing
+unless --eager) runs --concurrency requests at once, greedily: unconstrained, and with one
+JSON schema through xgrammar and through llguidance (the scheduler's grammar manager is
+swapped between runs, so all configurations share one compiled step and one KV pool).
+Every request makes exactly --max-new-tokens tokens (ignore_eos; the schema is an
+open-ended list, so the grammar never ends first), so every run decodes the same batch
+sizes. Grammars are compiled (and cached) by a warm-up run; the timed runs measure decoding
+only. The configurations alternate within each repeat; medians are printed.
 
-Printed: decode tokens/s, the ratio to unconstrained, and the mean per-step time spent
-filling the bitmask (grammar libraries) and applying it to the logits. Then the CPU
-bitmask micro-benchmark (benchmark/bench_bitmask.py): ours vs xgrammar's apply.
+Printed: decode tokens/s, the ratio to unconstrained, the per-step phase breakdown
+(forward / sampling / grammar / scheduler, from the scheduler's own counters), the mask
+fill time on the critical path and the time to apply it. --profile adds a cProfile of one
+constrained and one unconstrained run: the functions whose time differs most.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import os
+import pstats
 import statistics
+import sys
 import time
 
 SCHEMA = {"type": "object", "required": ["facts"], "properties": {"facts": {
@@ -28,7 +36,7 @@ SCHEMA = {"type": "object", "required": ["facts"], "properties": {"facts": {
 TOPICS = ["the ocean", "compilers", "bread", "black holes", "chess", "bees", "Rome", "jazz"]
 
 
-def make_scheduler(backend: str, concurrency: int, dtype: str):
+def make_scheduler(concurrency: int, dtype: str, eager: bool, **server_kwargs):
     from transformers import AutoTokenizer
 
     from distributed.parallel_state import SINGLE_RANK, RankInfo
@@ -40,11 +48,24 @@ def make_scheduler(backend: str, concurrency: int, dtype: str):
     path = resolve_model_path(None)
     # Compiled before timing (the served default at TP=1 compiles in the background,
     # which would time the eager step and a busy compile thread instead).
-    args = ServerArgs(model_path=path, random_seed=0, grammar_backend=backend, dtype=dtype,
+    args = ServerArgs(model_path=path, random_seed=0, grammar_backend="xgrammar", dtype=dtype,
                       max_running_requests=concurrency, max_total_tokens=concurrency * 256,
-                      wait_for_torch_compile=True)
+                      wait_for_torch_compile=not eager, disable_torch_compile=eager, **server_kwargs)
     tok = AutoTokenizer.from_pretrained(path)
     return Scheduler(args, RankInfo(), SINGLE_RANK, ModelConfig.from_path(path, None), tok), tok
+
+
+def grammar_manager(sched, tok, backend: str):
+    """A grammar manager for ``backend`` over the scheduler's own settings."""
+    import dataclasses
+
+    from constrained.grammar_manager import GrammarManager
+    from constrained.registry import create_grammar_backend
+
+    args = dataclasses.replace(sched.server_args, grammar_backend=backend)
+    cfg = sched.model_config
+    return GrammarManager(create_grammar_backend(args, tok, sched.vocab_size, tuple(cfg.eos_token_ids)),
+                          sched.tp, **sched.grammar_manager_kwargs())
 
 
 def requests(tok, n: int, max_new: int, constrained: bool, tag: str):
@@ -62,23 +83,53 @@ def requests(tok, n: int, max_new: int, constrained: bool, tag: str):
     return out
 
 
-def run_once(sched, reqs) -> dict:
-    """Decode tok/s (steps after every request is admitted) and per-step mask times."""
+def run_once(sched, reqs, profiler=None) -> dict:
+    """Decode tok/s (steps after every request is admitted), phases and mask times per step."""
     sched.process_input_requests(reqs)
     while sched.grammar_manager.grammar_queue or sched.waiting:  # compile + prefill
         sched.step()
     sched.mask_fill_seconds = sched.mask_apply_seconds = 0.0
     sched.mask_steps = 0
-    tokens, start = 0, time.perf_counter()
+    sched.step_stats.reset()
+    tokens, steps, start = 0, 0, time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     while sched.running:
         tokens += len(sched.running)
+        steps += 1
         sched.step()
+    if profiler is not None:
+        profiler.disable()
     elapsed = time.perf_counter() - start
+    phases = sched.step_stats.mode("DECODE").per_step_ms()
     while sched.has_work():
         sched.step()
-    steps = max(sched.mask_steps, 1)
-    return {"tok_s": tokens / elapsed, "fill_ms": 1e3 * sched.mask_fill_seconds / steps,
-            "apply_ms": 1e3 * sched.mask_apply_seconds / steps, "step_ms": 1e3 * elapsed / max(tokens / len(reqs), 1)}
+    masked = max(sched.mask_steps, 1)
+    return {"tok_s": tokens / elapsed, "step_ms": 1e3 * elapsed / max(steps, 1),
+            "fill_ms": 1e3 * sched.mask_fill_seconds / masked,
+            "apply_ms": 1e3 * sched.mask_apply_seconds / masked,
+            **{f"{k}_ms": v for k, v in phases.items()}}
+
+
+def profile_diff(sched, tok, managers, a) -> None:
+    """cProfile one run of each configuration; print the functions whose cumulative
+    per-step time grew most under a grammar (the overhead, function by function)."""
+    tables = {}
+    for name, (manager, constrained) in managers.items():
+        sched.grammar_manager = manager
+        prof = cProfile.Profile()
+        run_once(sched, requests(tok, a.concurrency, a.max_new_tokens, constrained, f"prof-{name}"), prof)
+        stats = pstats.Stats(prof, stream=io.StringIO())
+        tables[name] = {f"{fn[0].split('/')[-1]}:{fn[1]}({fn[2]})": (row[2], row[3])
+                        for fn, row in stats.stats.items()}
+    base = tables.pop("unconstrained")
+    steps = a.max_new_tokens
+    for name, table in tables.items():
+        print(f"\ncProfile, {name} minus unconstrained: ms per step (tottime, cumtime), top 15 by tottime")
+        diffs = sorted(((t[0] - base.get(k, (0, 0))[0], t[1] - base.get(k, (0, 0))[1], k)
+                        for k, t in table.items()), reverse=True)[:15]
+        for tot, cum, k in diffs:
+            print(f"  {1e3 * tot / steps:8.3f} {1e3 * cum / steps:8.3f}  {k}")
 
 
 def main() -> None:
@@ -87,30 +138,42 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--eager", action="store_true", help="no compiled decode step (faster start)")
+    ap.add_argument("--profile", action="store_true", help="add a cProfile diff per configuration")
     ap.add_argument("--skip-bitmask", action="store_true")
     a = ap.parse_args()
     import torch
 
+    sys.path.insert(0, os.path.dirname(__file__))
+    from machine_floor import cpu_flags, cpu_model
+
     torch.set_grad_enabled(False)
-    # One scheduler each, so all three see the same KV-pool history (slot order matters).
-    plain, tok = make_scheduler("xgrammar", a.concurrency, a.dtype)
-    xgr, _ = make_scheduler("xgrammar", a.concurrency, a.dtype)
-    llg, _ = make_scheduler("llguidance", a.concurrency, a.dtype)
-    configs = {"unconstrained": (plain, False), "json xgrammar": (xgr, True), "json llguidance": (llg, True)}
-    for name, (sched, constrained) in configs.items():  # warm-up: compile, caches, allocator
+    sched, tok = make_scheduler(a.concurrency, a.dtype, a.eager)
+    managers = {"unconstrained": (sched.grammar_manager, False),
+                "json xgrammar": (sched.grammar_manager, True),
+                "json llguidance": (grammar_manager(sched, tok, "llguidance"), True)}
+    for name, (manager, constrained) in managers.items():  # warm-up: compile, caches, allocator
+        sched.grammar_manager = manager
         run_once(sched, requests(tok, a.concurrency, 8, constrained, f"warm-{name}"))
-    results: dict[str, list[dict]] = {name: [] for name in configs}
+    results: dict[str, list[dict]] = {name: [] for name in managers}
     for r in range(a.repeats):
-        for name, (sched, constrained) in configs.items():
-            results[name].append(run_once(sched, requests(tok, a.concurrency, a.max_new_tokens, constrained, f"{r}-{name}")))
+        for name, (manager, constrained) in managers.items():
+            sched.grammar_manager = manager
+            results[name].append(run_once(sched, requests(tok, a.concurrency, a.max_new_tokens,
+                                                          constrained, f"{r}-{name}")))
     base = statistics.median(x["tok_s"] for x in results["unconstrained"])
-    print(f"\n{a.concurrency} concurrent requests x {a.max_new_tokens} tokens, greedy, "
+    print(f"\n{cpu_model()} {cpu_flags()}; dtype {sched.runner.dtype}; decode step "
+          f"{'eager' if a.eager else 'compiled'}")
+    print(f"{a.concurrency} concurrent requests x {a.max_new_tokens} tokens, greedy, "
           f"median of {a.repeats} (schema: {json.dumps(SCHEMA)})")
-    print(f"{'run':<18}{'decode tok/s':>14}{'ratio':>8}{'step ms':>10}{'fill ms/step':>14}{'apply ms/step':>15}")
+    cols = ["tok_s", "step_ms", "forward_ms", "sampling_ms", "grammar_ms", "scheduler_ms", "fill_ms", "apply_ms"]
+    print(f"{'run':<18}{'ratio':>7}" + "".join(f"{c:>13}" for c in cols))
     for name, runs in results.items():
-        med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
-        print(f"{name:<18}{med['tok_s']:>14.1f}{med['tok_s'] / base:>8.3f}{med['step_ms']:>10.1f}"
-              f"{med['fill_ms']:>14.3f}{med['apply_ms']:>15.3f}")
+        med = {k: statistics.median(x[k] for x in runs) for k in cols}
+        print(f"{name:<18}{med['tok_s'] / base:>7.3f}" + "".join(f"{med[c]:>13.3f}" for c in cols))
+    print("(grammar_ms: fill on the critical path + accepting tokens; apply_ms is inside sampling_ms)")
+    if a.profile:
+        profile_diff(sched, tok, managers, a)
     if not a.skip_bitmask:
         from bench_bitmask import print_rows, run_bitmask_bench
 

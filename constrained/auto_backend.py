@@ -2,8 +2,11 @@
 the spec or the spec uses a feature xgrammar is known to approximate silently.
 
 xgrammar (0.2.x) compiles oneOf as anyOf, only partly enforces allOf, ignores length
-bounds next to a pattern and drops not/if/uniqueItems/contains; llguidance enforces those
-or rejects the schema. Why a request went to llguidance is in its GrammarStats."""
+bounds next to a pattern, drops not/if/uniqueItems/contains, and drops multipleOf on numbers
+and on integers in ranges too large to enumerate (every integer, once bounded by default);
+llguidance enforces those or rejects the schema. A schema llguidance rejects gets xgrammar's
+approximation rather than a 400 (what --grammar-backend xgrammar serves). Why a request went
+where it did is in its GrammarStats."""
 from __future__ import annotations
 
 import json
@@ -15,7 +18,7 @@ from constrained.llguidance_backend import GuidanceBackend
 from constrained.xgrammar_backend import XGrammarGrammarBackend
 
 _XGRAMMAR_APPROXIMATES = ("oneOf", "not", "if", "uniqueItems", "contains", "dependentRequired",
-                          "dependentSchemas", "patternProperties", "propertyNames")
+                          "dependentSchemas", "patternProperties", "propertyNames", "multipleOf")
 
 
 def xgrammar_known_issue(spec: str) -> Optional[str]:
@@ -82,8 +85,20 @@ class AutoGrammarBackend(BaseGrammarBackend):
         try:
             value = self.guidance.dispatch(key)
         except Exception as e:
-            raise ValueError(f"{reason}; llguidance: {clean_error(e)}") from None
+            reason = f"{reason}; llguidance: {clean_error(e)}"
+            if reason.startswith("xgrammar rejected it") or self.json_to_guidance:
+                raise ValueError(reason) from None
+            return self._approximate(key, reason)
         value.stats.dispatch_type = f"llguidance (fallback: {reason})"
+        return value
+
+    def _approximate(self, key: tuple[str, str], reason: str) -> BaseGrammarObject:
+        """llguidance refused a spec xgrammar only approximates: serve xgrammar's reading."""
+        try:
+            value = self.xgrammar.dispatch(key)
+        except Exception as e:
+            raise ValueError(f"{reason}; xgrammar: {clean_error(e)}") from None
+        value.stats.dispatch_type = f"xgrammar (approximate: {reason})"
         return value
 
     def shutdown(self) -> None:

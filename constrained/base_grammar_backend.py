@@ -95,9 +95,12 @@ class BaseGrammarObject:
     def copy(self) -> "BaseGrammarObject":
         raise NotImplementedError
 
-    def try_jump_forward(self, tokenizer) -> Optional[tuple[list[int], str]]:
-        """Jump-forward decoding hook: tokens the grammar forces next. Not used yet."""
-        return None
+    def fast_forward(self, max_tokens: int) -> list[int]:
+        """Grammar fast-forward: the tokens the grammar forces next (a single continuation,
+        e.g. the rest of a JSON key), at most ``max_tokens``, already accepted into this
+        matcher; [] when the next token is a real choice. A pure function of the matcher
+        state, so every rank of a TP group forces the same tokens."""
+        return []
 
 
 class InvalidGrammarObject(BaseGrammarObject):

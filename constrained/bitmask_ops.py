@@ -13,7 +13,9 @@ logits become -inf whatever they held (NaN and +inf included), allowed ones keep
   mask are scalar loops, ~5x slower. Tiles stay at 32768 elements because torch runs
   larger ops on its thread pool: faster on an idle 2-core box, but one op can stall ~10 ms
   when other processes hold the cores (measured), so every op here runs on the calling
-  thread. Row blocks whose mask is all ones are skipped; nearly all-ones rows (free text
+  thread. Row blocks whose mask is all ones are skipped; rows that allow only a few
+  words' tokens (a grammar at a key, a number, punctuation) save those logits, are filled
+  with -inf whole and get them back (~0.3 vs ~1.2 ms for [32, 49152]); nearly all-ones rows (free text
   inside a JSON string) go to xgrammar's C loop when the logits are fp32 (it skips
   all-ones words: ~0.04 ms vs ~1 ms for [32, 49152]), else only their 0 bits are touched.
   Scratch buffers are per thread and reused (no page faults).
@@ -111,9 +113,13 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     full = vocab // 32  # words whose 32 tokens all exist
     contiguous = x_bits.is_contiguous()  # the sparse path indexes the flat logits
     found = []  # [row, word] of the nearly unconstrained blocks' partial words
+    few_allowed = []  # rows of blocks that allow only a few words' tokens
     c_rows = [] if logits.dtype == torch.float32 and contiguous and bitmask.is_contiguous() else None
     for r0 in range(0, batch, rows):
         m, x = mask[r0:r0 + rows], x_bits[r0:r0 + rows]
+        if contiguous and int(torch.count_nonzero(m)) * _SPARSE_RATIO <= m.numel():
+            few_allowed.extend(range(r0, r0 + m.shape[0]))
+            continue
         not_m = _cached(("block", m.shape), lambda: torch.empty(m.shape, dtype=torch.int32))
         torch.bitwise_not(m, out=not_m)  # nonzero where some token is disallowed
         n = int(torch.count_nonzero(not_m))
@@ -128,6 +134,8 @@ def _apply_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
                 _apply_tiles(x[:, full * 32:], not_m[:, full:], 1, neg_inf)
     for where in _chunks(found, tile):
         _apply_sparse(x_bits, mask, where, neg_inf)
+    if few_allowed:
+        _apply_few_allowed(x_bits, mask, few_allowed, neg_inf)
     if c_rows:
         import xgrammar  # a dependency anyway (the default grammar backend)
 
@@ -151,6 +159,34 @@ def _apply_sparse(x_bits: torch.Tensor, mask: torch.Tensor, where: torch.Tensor,
     # index_select, not tensor[idx]: advanced indexing goes multi-threaded from ~3k elements.
     flat = r.index_select(0, i) * x_bits.shape[1] + c.index_select(0, i) * 32 + j
     x_bits.view(-1).index_fill_(0, flat, neg_inf)
+
+
+def _apply_few_allowed(x_bits: torch.Tensor, mask: torch.Tensor, rows: list[int], neg_inf: int) -> None:
+    """Rows that allow few tokens (a grammar at a key, a number, punctuation): save the
+    allowed logits, set the whole rows to -inf (a memset-speed fill), put them back. Costs
+    the allowed tokens plus one write per logit, instead of a 4-op sweep per logit. Every
+    op stays within a tile's elements: a bigger index_select or nonzero wakes torch's
+    thread pool (measured: ~10-20 ms each with the other core busy; see above)."""
+    vocab, words = x_bits.shape[1], mask.shape[1]
+    flat_x = x_bits.view(-1)
+    step = max(1, _TILE_TOKENS // words)  # rows per piece
+    for k in range(0, len(rows), step):
+        piece = rows[k:k + step]
+        idx = torch.tensor(piece, dtype=torch.int64)
+        m = mask.index_select(0, idx)
+        r, c = m.nonzero().unbind(1)  # words with some allowed token
+        # Bit j to the sign bit, as in _set_neg_inf: negative = allowed.
+        shifted = torch.bitwise_left_shift(m[r, c].unsqueeze(1), _REV_SHIFTS)
+        i, j = (shifted < 0).nonzero().unbind(1)
+        token = c.index_select(0, i) * 32 + j
+        flat = idx.index_select(0, r.index_select(0, i)) * vocab + token
+        if vocab % 32:  # bits past the vocabulary stand for no logit
+            flat = flat[token < vocab]
+        saved = flat_x.index_select(0, flat)
+        for row in piece:
+            for part in x_bits[row].split(_TILE_TOKENS):
+                part.fill_(neg_inf)
+        flat_x.index_copy_(0, flat, saved)
 
 
 def _chunks(parts: list[torch.Tensor], size: int):

@@ -10,6 +10,7 @@ class JsonOptions:
     disable_any_whitespace: bool = False  # compact separators "," and ":", no whitespace
     whitespace_pattern: Optional[str] = None  # regex between JSON tokens (llguidance)
     max_whitespace: int = 16  # whitespace characters allowed between tokens (0: unbounded)
+    unbounded_numbers: bool = False  # True: no default digit bounds (json_number_bounds.py)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class GrammarBackendConfig:
             vocab_size=vocab_size, eos_token_ids=tuple(eos_token_ids),
             json=JsonOptions(server_args.constrained_json_disable_any_whitespace,
                              server_args.constrained_json_whitespace_pattern,
-                             server_args.constrained_json_max_whitespace),
+                             server_args.constrained_json_max_whitespace,
+                             server_args.constrained_json_unbounded_numbers),
             num_threads=server_args.grammar_compile_threads,
             cache_size=server_args.grammar_cache_size)

@@ -5,18 +5,20 @@ waiting queue while the agreed-failed ones are aborted with the reason.
 
 Everything that decides what runs -- cache hits, poll counts, the agreed sets -- is
 identical on every rank; only local compile progress differs, and the agreement absorbs it.
+
+``constrained`` does not import the serving runtime: the scheduler passes in how to read
+the poll settings (live, so an environment change is seen) and how to abort a request.
 """
 from __future__ import annotations
 
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
 from distributed.grammar_agreement import agree_on_grammar_status
 from distributed.parallel_state import TPGroup
-from srt import environ
-from srt.managers.io_struct import FinishReason
 
 logger = logging.getLogger(__name__)
 TIMEOUT_MESSAGE = ("Grammar preprocessing timed out: the {kind} grammar was not compiled within "
@@ -25,10 +27,22 @@ DISABLED_MESSAGE = ("Constrained generation is disabled on this server (--gramma
                     "remove the {kind} constraint or restart the server with a grammar backend.")
 
 
+@dataclass(frozen=True)
+class GrammarPolling:
+    poll_interval: float = 0.005  # SGLANG_GRAMMAR_POLL_INTERVAL: seconds an idle poll waits
+    max_poll_iterations: int = 10000  # SGLANG_GRAMMAR_MAX_POLL_ITERATIONS: then it times out
+
+
+AbortRequest = Callable[[Any, str], None]  # (req, message): finish it with a 400
+
+
 class GrammarManager:
-    def __init__(self, backend: Optional[BaseGrammarBackend], tp: TPGroup, log_prefix: str = "") -> None:
+    def __init__(self, backend: Optional[BaseGrammarBackend], tp: TPGroup, abort_request: AbortRequest,
+                 polling: Callable[[], GrammarPolling] = GrammarPolling, log_prefix: str = "") -> None:
         self.backend = backend
         self.tp = tp
+        self.abort_request = abort_request
+        self.polling = polling
         self.log_prefix = log_prefix
         self.grammar_queue: list = []  # Reqs waiting for their compile, in arrival order
 
@@ -39,7 +53,7 @@ class GrammarManager:
         key = req.sampling_params.constraint
         req.grammar_key = key
         if self.backend is None:
-            _abort(req, DISABLED_MESSAGE.format(kind=key[0]))
+            self.abort_request(req, DISABLED_MESSAGE.format(kind=key[0]))
             return False
         value, hit = self.backend.get_cached_or_future_value(key)
         if hit:
@@ -56,10 +70,11 @@ class GrammarManager:
         so pending grammars never slow down the running batch."""
         if not self.grammar_queue:  # identical on every rank: no collective needed
             return [], []
+        polling = self.polling()
         pending = {r.grammar_future for r in self.grammar_queue if not r.grammar_future.done()}
         if pending and idle:
-            wait(pending, timeout=environ.SGLANG_GRAMMAR_POLL_INTERVAL.get(), return_when=FIRST_COMPLETED)
-        max_polls = environ.SGLANG_GRAMMAR_MAX_POLL_ITERATIONS.get()
+            wait(pending, timeout=polling.poll_interval, return_when=FIRST_COMPLETED)
+        max_polls = polling.max_poll_iterations
         ready, failed = set(), {}
         for i, req in enumerate(self.grammar_queue):
             req.grammar_wait_ct += 1  # counts agreed iterations: the same on every rank
@@ -71,7 +86,7 @@ class GrammarManager:
                     ready.add(i)
             elif req.grammar_wait_ct >= max_polls:
                 failed[i] = TIMEOUT_MESSAGE.format(kind=req.grammar_key[0], polls=max_polls)
-        ready, failed = agree_on_grammar_status(ready, failed, self.tp)
+        ready, failed = agree_on_grammar_status(ready, failed, self.tp, queue_len=len(self.grammar_queue))
         if not ready and not failed:
             return [], []
         ready_reqs, failed_pairs, keep = [], [], []
@@ -101,7 +116,7 @@ class GrammarManager:
     def _attach(self, req, value: BaseGrammarObject) -> None:
         req.grammar_future = None
         if isinstance(value, InvalidGrammarObject):
-            _abort(req, value.message)
+            self.abort_request(req, value.message)
             return
         value.maybe_init_reasoning(req.require_reasoning)
         req.grammar = value
@@ -114,7 +129,7 @@ class GrammarManager:
         else:  # the agreed message, so the negative cache is identical on every rank
             self.backend.set_cache(req.grammar_key, InvalidGrammarObject(message))
         req.grammar_future = None
-        _abort(req, message)
+        self.abort_request(req, message)
         logger.info("%s %s grammar failed: %s", self.log_prefix, req.rid, message)
 
     def _is_wanted(self, key) -> bool:
@@ -126,7 +141,3 @@ def _result(future: Future, kind: str) -> BaseGrammarObject:
         return future.result()
     except BaseException as e:  # cancelled, or a backend that raised past init_value
         return InvalidGrammarObject(f"Failed to compile {kind} grammar: {type(e).__name__}: {e}")
-
-
-def _abort(req, message: str) -> None:
-    req.finished_reason = FinishReason("abort", message=message, status_code=400)

@@ -48,6 +48,9 @@ class ReasonerGrammarObject(BaseGrammarObject):
     def has_error(self) -> bool:
         return not self.is_in_reasoning and self.grammar.has_error()
 
+    def fast_forward(self, max_tokens: int) -> list[int]:
+        return [] if self.is_in_reasoning else self.grammar.fast_forward(max_tokens)
+
     def mask_source(self) -> BaseGrammarObject:
         return self.grammar.mask_source()  # asked only for rows past the think end
 

@@ -26,6 +26,11 @@ def _llguidance(tokenizer, config):
     return GuidanceBackend.from_tokenizer(tokenizer, config)
 
 
+def _outlines(tokenizer, config):
+    from constrained.outlines_backend import OutlinesGrammarBackend
+    return OutlinesGrammarBackend.from_tokenizer(tokenizer, config)
+
+
 def _auto(tokenizer, config):
     from constrained.auto_backend import AutoGrammarBackend
     return AutoGrammarBackend.from_tokenizer(tokenizer, config)
@@ -33,7 +38,7 @@ def _auto(tokenizer, config):
 
 # Name -> factory. Mutated only by register_grammar_backend, at import time of plugins.
 GRAMMAR_BACKEND_REGISTRY: dict[str, GrammarBackendFactory] = {
-    "xgrammar": _xgrammar, "llguidance": _llguidance, "auto": _auto,
+    "xgrammar": _xgrammar, "llguidance": _llguidance, "auto": _auto, "outlines": _outlines,
 }
 
 

@@ -9,6 +9,7 @@ import xgrammar as xgr
 
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
 from constrained.grammar_config import GrammarBackendConfig
+from constrained.json_number_bounds import XGRAMMAR_BOUNDS, bound_number_rule, bound_numbers
 
 
 class XGrammarMaskFiller:
@@ -21,12 +22,34 @@ class XGrammarMaskFiller:
         self.batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], vocab_mask, rows)
 
 
+class JumpForwardTokenizer:
+    """Turns xgrammar's jump-forward string (the text the grammar forces next) into tokens
+    that are safe to force. SGLang's jump-forward re-tokenised the text together with the
+    tokens before it and rolled those back, which broke on byte-level boundaries and with
+    its overlap scheduler until it was removed; here nothing already generated changes:
+    the forced text is tokenised alone and its last token is dropped, because the model's
+    next free choice may merge with it (``year"`` + ``:`` is the single token ``":``)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)[:-1]
+        # Tokenizers that prepend a space marker (SentencePiece) would force text the
+        # grammar did not ask for: then force nothing.
+        if ids and not text.startswith(self.tokenizer.decode(ids)):
+            return []
+        return ids
+
+
 class XGrammarGrammar(BaseGrammarObject):
-    def __init__(self, compiled: xgr.CompiledGrammar, mask_filler: XGrammarMaskFiller = None) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, mask_filler: XGrammarMaskFiller = None,
+                 jump_forward: JumpForwardTokenizer = None) -> None:
         super().__init__()
         self.compiled = compiled
         self.matcher = xgr.GrammarMatcher(compiled)
         self.mask_filler = mask_filler
+        self.jump_forward = jump_forward
 
     def accept_token(self, token: int) -> None:
         if not self.matcher.accept_token(token):
@@ -41,8 +64,21 @@ class XGrammarGrammar(BaseGrammarObject):
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         self.matcher.fill_next_token_bitmask(vocab_mask, idx)
 
+    def fast_forward(self, max_tokens: int) -> list[int]:
+        if max_tokens <= 0 or self.jump_forward is None:
+            return []
+        text = self.matcher.find_jump_forward_string()  # ~2 us; usually empty
+        if not text:
+            return []
+        forced = []
+        for token in self.jump_forward(text)[:max_tokens]:
+            if not self.matcher.accept_token(token):  # never expected: stop forcing here
+                break
+            forced.append(token)
+        return forced
+
     def copy(self) -> "XGrammarGrammar":
-        twin = XGrammarGrammar(self.compiled, self.mask_filler)
+        twin = XGrammarGrammar(self.compiled, self.mask_filler, self.jump_forward)
         twin.stats.dispatch_type = self.stats.dispatch_type
         return twin
 
@@ -58,44 +94,54 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
         self.json = config.json
         self.mask_filler = XGrammarMaskFiller()
+        self.jump_forward = None  # set by from_tokenizer: fast-forward needs the tokenizer
 
     @classmethod
     def from_tokenizer(cls, tokenizer, config: GrammarBackendConfig) -> "XGrammarGrammarBackend":
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=config.vocab_size, stop_token_ids=list(config.eos_token_ids))
-        return cls(info, config)
+        backend = cls(info, config)
+        backend.jump_forward = JumpForwardTokenizer(tokenizer)
+        return backend
+
+    def _grammar(self, compiled: xgr.CompiledGrammar) -> XGrammarGrammar:
+        return XGrammarGrammar(compiled, self.mask_filler, self.jump_forward)
 
     def dispatch_json_schema(self, spec: str) -> XGrammarGrammar:
         opts = self.json
         if opts.disable_any_whitespace:  # compact, not xgrammar's default ", " / ": "
-            compiled = self.compiler.compile_json_schema(
-                spec, any_whitespace=False, separators=(",", ":"))
+            layout = {"any_whitespace": False, "separators": (",", ":")}
         else:
-            compiled = self.compiler.compile_json_schema(
-                spec, any_whitespace=True, max_whitespace_cnt=opts.max_whitespace or None)
-        return XGrammarGrammar(compiled, self.mask_filler)
+            layout = {"any_whitespace": True, "max_whitespace_cnt": opts.max_whitespace or None}
+        if opts.unbounded_numbers:
+            compiled = self.compiler.compile_json_schema(spec, **layout)
+        else:  # what compile_json_schema compiles, with bounded numbers (json_number_bounds.py)
+            spec = json.dumps(bound_numbers(json.loads(spec), XGRAMMAR_BOUNDS))
+            ebnf = str(xgr.Grammar.from_json_schema(spec, **layout))
+            compiled = self.compiler.compile_grammar(bound_number_rule(ebnf))
+        return self._grammar(compiled)
 
     def dispatch_regex(self, spec: str) -> XGrammarGrammar:
-        return XGrammarGrammar(self.compiler.compile_regex(spec), self.mask_filler)
+        return self._grammar(self.compiler.compile_regex(spec))
 
     def dispatch_ebnf(self, spec: str) -> XGrammarGrammar:
-        return XGrammarGrammar(self.compiler.compile_grammar(spec, root_rule_name="root"), self.mask_filler)
+        return self._grammar(self.compiler.compile_grammar(spec, root_rule_name="root"))
 
     def dispatch_choice(self, spec: str) -> XGrammarGrammar:
         # JSON string literals are valid EBNF literals (checked for quotes, backslashes,
         # control characters and non-ASCII).
         choices = json.loads(spec)
         ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-        return XGrammarGrammar(self.compiler.compile_grammar(ebnf), self.mask_filler)
+        return self._grammar(self.compiler.compile_grammar(ebnf))
 
     def dispatch_structural_tag(self, spec: str) -> XGrammarGrammar:
         tag = json.loads(spec)
         if "format" in tag:  # xgrammar's own structural-tag format
-            return XGrammarGrammar(self.compiler.compile_structural_tag(spec), self.mask_filler)
+            return self._grammar(self.compiler.compile_structural_tag(spec))
         # SGLang's format: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
         items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
                  for s in _structures(tag)]
-        return XGrammarGrammar(self.compiler.compile_structural_tag(items, list(tag["triggers"])), self.mask_filler)
+        return self._grammar(self.compiler.compile_structural_tag(items, list(tag["triggers"])))
 
 
 def _structures(tag: dict) -> list[dict]:

@@ -5,6 +5,18 @@ their batches) drift apart. SGLang takes the element-wise minimum over the group
 Logits are all-gathered (identical bytes on every rank) and seeded sampling draws the
 same numbers everywhere, so the ids already agree in practice; ``mismatches`` counts the
 rows where they did not, so that claim is measured, not assumed.
+
+Why this shape (benchmark/bench_grammar_sync.py times the alternatives): the device group,
+because the ids are on the device (NCCL on GPU, no copy; on CPU it is gloo, as fast as
+the CPU group); int64, the sampler's dtype (int32 measured no faster: at these sizes gloo
+pays per message, not per byte). An all_gather + local min (exact too) is no faster at
+TP=2 and slower for 1-2 ids; only with 4 ranks on 2 CPUs was it faster (half the ring
+steps, so fewer scheduler stalls): not adopted until measured with a core per rank.
+
+Not folded into another collective: the logits all-gather precedes sampling, and the next
+collectives (request broadcast, grammar agreement) come after the grammars must already
+have accepted the token -- moving the agreement there would change the step a token
+takes effect in.
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ masked token (-inf + b = -inf) and penalties act on the model's logits, not on b
 from __future__ import annotations
 
 import time
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -46,8 +47,11 @@ class SamplingBatchInfo:
     vocab_mask: Optional[torch.Tensor] = None  # int32 [B, ceil(V/32)], filled per step
     # Host-side mask buffer reused across steps while the batch size stays the same.
     _mask_buffer: Optional[torch.Tensor] = None
-    mask_fill_seconds: float = 0.0  # this step's fill / apply times (for benchmarks)
+    mask_fill_seconds: float = 0.0  # this step's fill time on the critical path (waited for)
+    mask_fill_work_seconds: float = 0.0  # this step's fill time, wherever it ran
     mask_apply_seconds: float = 0.0
+    # A fill started ahead (start_vocab_mask_fill), running while the forward runs.
+    _mask_future: Optional[Future] = None
     # Derived by _refresh after every change of rows.
     is_all_greedy: bool = True
     has_greedy: bool = False
@@ -133,24 +137,59 @@ class SamplingBatchInfo:
         self.penalizer_orchestrator.cumulate_output_tokens(output_ids)
         self.positions = [p + 1 for p in self.positions]
 
+    def cumulate_forced_tokens(self, rows: list[int], ids: list[int]) -> None:
+        """Record fast-forwarded tokens (``ids[i]`` appended to row ``rows[i]``): penalties
+        count them like sampled ones, and seeded rows sample at their true output position."""
+        if not rows:
+            return
+        self.penalizer_orchestrator.cumulate_output_tokens(
+            torch.tensor(ids, dtype=torch.int64, device=self.device),
+            torch.tensor(rows, dtype=torch.int64, device=self.device))
+        for r in rows:
+            self.positions[r] += 1
+
     # ---- the logits pipeline ------------------------------------------------------------
+    def start_vocab_mask_fill(self, executor: Executor) -> None:
+        """Start filling this step's bitmask on ``executor`` (the grammar libraries release
+        the GIL), so it overlaps the forward; ``update_regex_vocab_mask`` collects it. The
+        grammars must not change until then (the scheduler accepts tokens only after)."""
+        if any(g is not None for g in self.grammars):
+            self._mask_future = executor.submit(self._fill_vocab_mask_ahead)
+
+    def _fill_vocab_mask_ahead(self):
+        # Inference mode is per thread; the buffer is also filled under it by sample().
+        with torch.inference_mode():
+            return self._fill_vocab_mask()
+
     def update_regex_vocab_mask(self) -> None:
-        """Fill this step's grammar bitmask: one int32 row per request, ``ceil(V/32)`` words
+        """This step's grammar bitmask: one int32 row per request, ``ceil(V/32)`` words
         wide for the model's (padded) vocabulary V. Rows of unconstrained requests and of
         grammars that are finished, terminated or still reasoning allow every token; no
-        such row at all means no mask."""
+        such row at all means no mask. Taken from the fill started ahead, if any."""
+        start = time.perf_counter()
+        future, self._mask_future = self._mask_future, None
+        buf, dead, work = future.result() if future is not None else self._fill_vocab_mask()
+        self.failed_rows += [(i, DEAD_END_MESSAGE, 400) for i in dead]
+        if buf is not None:
+            source = next(g for g in self.grammars if g is not None)
+            self.vocab_mask = source.move_vocab_mask(buf, self.device)
+        else:
+            self.vocab_mask = None
+        self.mask_fill_seconds = time.perf_counter() - start
+        self.mask_fill_work_seconds = work
+
+    def _fill_vocab_mask(self) -> tuple[Optional[torch.Tensor], list[int], float]:
+        """(host bitmask or None, rows whose grammar allows no token, seconds taken)."""
         start = time.perf_counter()
         rows = [i for i, g in enumerate(self.grammars) if g is not None and g.needs_vocab_mask()]
         if not rows:
-            self.vocab_mask = None
-            self.mask_fill_seconds = 0.0
-            return
+            return None, [], time.perf_counter() - start
         first = self.grammars[rows[0]]
         buf = self._mask_buffer
         if buf is None or buf.shape[0] != len(self):
             buf = self._mask_buffer = first.allocate_vocab_mask(self.vocab_size, len(self), self.device)
-        else:
-            buf.fill_(-1)
+        else:  # numpy: single-threaded, so a fill beside the forward never starts a
+            buf.numpy().fill(-1)  # second OpenMP team on the forward's cores
         batched: dict[int, tuple[Any, list, list[int]]] = {}
         for i in rows:
             source = self.grammars[i].mask_source()
@@ -162,18 +201,14 @@ class SamplingBatchInfo:
                 group[2].append(i)
         for filler, grammars, idx in batched.values():
             filler.fill(grammars, buf, idx)
-        self._fail_dead_rows(buf, rows)
-        self.vocab_mask = first.move_vocab_mask(buf, self.device)
-        self.mask_fill_seconds = time.perf_counter() - start
+        return buf, self._dead_rows(buf, rows), time.perf_counter() - start
 
-    def _fail_dead_rows(self, buf: torch.Tensor, rows: list[int]) -> None:
+    def _dead_rows(self, buf: torch.Tensor, rows: list[int]) -> list[int]:
         """A grammar that allows no token here (its row is all zero, or the library reports
-        a dead end) can never be completed: that request is aborted with a 400."""
-        idx = torch.tensor(rows, dtype=torch.int64)
-        empty = (buf.index_select(0, idx) == 0).all(dim=1).tolist()
-        for i, is_empty in zip(rows, empty):
-            if is_empty or self.grammars[i].has_error():
-                self.failed_rows.append((i, DEAD_END_MESSAGE, 400))
+        a dead end) can never be completed: that request is aborted with a 400. Rows
+        without a grammar are all ones, so the whole buffer is checked at once."""
+        empty = (~buf.numpy().any(axis=1)).tolist()
+        return [i for i in rows if empty[i] or self.grammars[i].has_error()]
 
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
         """In place, in this order: penalties, vocab mask, logit bias, custom processors."""

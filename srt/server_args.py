@@ -55,11 +55,13 @@ class ServerArgs:
     # Sampling
     enable_custom_logit_processor: bool = _f(False, "Allow requests to carry a custom logit processor (a CustomLogitProcessor class importable on the server).")
     # Constrained generation
-    grammar_backend: str = _f("xgrammar", "Grammar backend: xgrammar, llguidance, auto (xgrammar, falling back per request to llguidance), none (reject constraints), or a name registered with register_grammar_backend (see --grammar-backend-plugins).")
+    grammar_backend: str = _f("auto", "Grammar backend: auto (default: xgrammar, and per request llguidance for specs xgrammar rejects or only approximates, such as oneOf), xgrammar, llguidance, none (reject constraints), or a name registered with register_grammar_backend (see --grammar-backend-plugins).")
+    disable_grammar_fast_forward: bool = _f(False, "Never append the tokens a grammar forces (the rest of a JSON key, a fixed separator) without a decode step each; by default they are appended and their KV computed as extra rows of the next decode step.")
     grammar_backend_plugins: Optional[str] = _f(None, "Comma-separated modules every scheduler rank imports before creating the grammar backend (they call register_grammar_backend).")
     constrained_json_disable_any_whitespace: bool = _f(False, "JSON constraints allow no whitespace between tokens (compact separators ',' and ':').")
     constrained_json_whitespace_pattern: Optional[str] = _f(None, "Regex for the whitespace allowed between JSON tokens (llguidance; with auto, JSON requests then go to llguidance).")
     constrained_json_max_whitespace: int = _f(16, "Most whitespace characters allowed between two JSON tokens, so a weak model cannot loop on whitespace (0: unbounded).")
+    constrained_json_unbounded_numbers: bool = _f(False, "JSON number literals may have any number of digits. Default: a schema's integers without bounds stay in the int64 range and other numbers within 15 integer, 10 fraction and 3 exponent digits, so a weak model cannot write digits until max_new_tokens; bounds a schema sets are kept.")
     grammar_compile_threads: int = _f(2, "Threads per rank that compile grammars in the background.")
     grammar_cache_size: int = _f(1024, "Compiled grammars (and compile failures) kept per rank, least recently used evicted.")
     reasoning_parser: Optional[str] = _f(None, "Thinking-model format: constraints start after the think-end token (qwen3, deepseek-r1).", ["qwen3", "deepseek-r1"])

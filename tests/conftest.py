@@ -101,9 +101,11 @@ def _wait_healthy(proc, base: str, log_path) -> bool:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, smollm2_dir):
-    """ONE real server shared by the whole session: the default grammar backend (xgrammar),
-    started with --enable-custom-logit-processor."""
-    yield from _launch_server(tmp_path_factory, smollm2_dir, ["--enable-custom-logit-processor"])
+    """ONE real server shared by the whole session: --grammar-backend xgrammar (pinned: the
+    tests using it check xgrammar's behaviour and messages; the default, auto, is
+    ``server_auto``), started with --enable-custom-logit-processor."""
+    yield from _launch_server(tmp_path_factory, smollm2_dir,
+                              ["--grammar-backend", "xgrammar", "--enable-custom-logit-processor"])
 
 
 @pytest.fixture(scope="session")
@@ -114,5 +116,6 @@ def server_llguidance(tmp_path_factory, smollm2_dir):
 
 @pytest.fixture(scope="session")
 def server_auto(tmp_path_factory, smollm2_dir):
-    """A real server with --grammar-backend auto (xgrammar, per-request llguidance fallback)."""
+    """A real server with --grammar-backend auto, the default (xgrammar, per-request
+    llguidance fallback)."""
     yield from _launch_server(tmp_path_factory, smollm2_dir, ["--grammar-backend", "auto"])

@@ -265,3 +265,22 @@ def test_workspaces_made_under_inference_mode_work_outside_it():
     outside = logits.clone()
     apply_token_bitmask_inplace(outside, mask)
     assert torch.equal(inside, expected) and torch.equal(outside, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [1000, 49152, 70001])
+def test_cpu_few_allowed_rows_with_bits_past_the_vocabulary(v, dtype):
+    """Rows allowing a handful of tokens take the save / fill / restore path; set bits past
+    V (padding of the last word, extra words) must not touch anything; more rows than one
+    piece holds (70001 -> 2188 words: 14 rows a piece)."""
+    gen = torch.Generator().manual_seed(v)
+    words = (v + 31) // 32 + 1
+    mask = torch.zeros(40, words, dtype=torch.int32)
+    for row in range(40):
+        mask[row, torch.randint(0, words, (3,), generator=gen)] = random_mask(1, 3, gen)
+    mask[:, -1] = -1  # every bit past the vocabulary set
+    mask[5] = -1  # an unconstrained row among them
+    logits = random_logits(40, v, dtype, gen)
+    want = reference(logits, mask)
+    apply_token_bitmask_inplace(logits, mask)
+    assert_same_bits(logits, want)

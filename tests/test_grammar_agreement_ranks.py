@@ -114,8 +114,8 @@ def _identical_batch_logs(log_dir, timeout: float = 15.0) -> list[tuple[int, str
             assert rids == "0", f"a rank's own sample differed from the agreed ids: {line}"
             assert int(step) == len(batches) - 1, line
             continue
-        if mode == "CACHE":  # radix tree digest after the batch (equal: the lines matched)
-            assert int(step) == len(batches) - 1, line
+        if mode in ("CACHE", "FORCED"):  # radix digest / fast-forwarded tokens after the batch
+            assert int(step) == len(batches) - 1, line  # (equal on both ranks: lines matched)
             continue
         assert int(step) == len(batches), f"steps not consecutive at: {line}"
         assert mode in ("EXTEND", "DECODE"), line
@@ -237,6 +237,12 @@ def test_lock_step_under_compile_skew(skew_server):
     assert {mode for mode, _ in with_grammar} == {"EXTEND", "DECODE"}, with_grammar
     assert any(set(rids) - constrained for _, rids in with_grammar), \
         "no batch mixed constrained and unconstrained requests"
+
+    # Grammar fast-forward (on by default) forced tokens, identically on both ranks (the
+    # FORCED lines are part of the identical logs), and the responses say how many.
+    forced = [ln for ln in _read_log(logs / "batches_DP0_TP0.log") if " FORCED " in ln]
+    reported = sum(out["meta_info"]["fast_forward_tokens"] for _, out in results)
+    assert forced and reported > 0, (len(forced), reported)
 
     # The skew was real: both ranks compiled every spec, rank 1 often well after rank 0.
     done = []

@@ -214,8 +214,9 @@ def test_registry_builds_backends_by_name(smollm2_tokenizer):
 
 def test_server_args_reject_whitespace_pattern_with_xgrammar():
     with pytest.raises(ValueError, match="llguidance or auto"):
-        ServerArgs(constrained_json_whitespace_pattern="[ ]?")
-    ServerArgs(grammar_backend="auto", constrained_json_whitespace_pattern="[ ]?")
+        ServerArgs(grammar_backend="xgrammar", constrained_json_whitespace_pattern="[ ]?")
+    assert ServerArgs().grammar_backend == "auto"  # the default takes the flag
+    ServerArgs(constrained_json_whitespace_pattern="[ ]?")
 
 
 def test_mask_fill_rows_are_independent(xgr, llg, smollm2_tokenizer):

@@ -42,8 +42,9 @@ class BatchedPenalizer(ABC):
         """Whether any row still changes logits (after a filter the penalizer may be dropped)."""
 
     @abstractmethod
-    def cumulate_output_tokens(self, output_ids: torch.Tensor) -> None:
-        """Record one sampled token per row (int64 [B])."""
+    def cumulate_output_tokens(self, output_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Record new output tokens: ``output_ids[i]`` belongs to row ``rows[i]`` (int64
+        [N]; one per row after sampling, any number per row for fast-forwarded tokens)."""
 
     @abstractmethod
     def apply(self, logits: torch.Tensor) -> None:

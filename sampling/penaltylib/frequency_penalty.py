@@ -27,8 +27,7 @@ class BatchedFrequencyPenalizer(RowTensorPenalizer):
     def is_active(self) -> bool:
         return bool((self.penalties != 0).any())
 
-    def cumulate_output_tokens(self, output_ids: torch.Tensor) -> None:
-        rows = torch.arange(len(output_ids), device=output_ids.device)
+    def cumulate_output_tokens(self, output_ids: torch.Tensor, rows: torch.Tensor) -> None:
         self.counts.index_put_((rows, output_ids), torch.ones_like(output_ids, dtype=torch.float32),
                                accumulate=True)
 

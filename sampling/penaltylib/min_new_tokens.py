@@ -28,8 +28,9 @@ class BatchedMinNewTokensPenalizer(BatchedPenalizer):
     def is_active(self) -> bool:
         return any(n < m for n, m in zip(self.out_len, self.min_new))
 
-    def cumulate_output_tokens(self, output_ids: torch.Tensor) -> None:
-        self.out_len = [n + 1 for n in self.out_len]
+    def cumulate_output_tokens(self, output_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        for r in rows.tolist():
+            self.out_len[r] += 1
 
     def apply(self, logits: torch.Tensor) -> None:
         rows, cols = [], []

@@ -56,9 +56,12 @@ class BatchedPenalizerOrchestrator:
             if p is not None:
                 p.apply(logits)
 
-    def cumulate_output_tokens(self, output_ids: torch.Tensor) -> None:
+    def cumulate_output_tokens(self, output_ids: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
+        """One token per row (``rows`` None), or ``output_ids[i]`` for row ``rows[i]``."""
+        if rows is None:
+            rows = torch.arange(len(output_ids), device=output_ids.device)
         for p in self.penalizers.values():
-            p.cumulate_output_tokens(output_ids)
+            p.cumulate_output_tokens(output_ids, rows)
 
     def filter(self, keep: torch.Tensor) -> None:
         self.batch_size = len(keep)

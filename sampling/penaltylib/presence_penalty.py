@@ -27,8 +27,7 @@ class BatchedPresencePenalizer(RowTensorPenalizer):
     def is_active(self) -> bool:
         return bool((self.penalties != 0).any())
 
-    def cumulate_output_tokens(self, output_ids: torch.Tensor) -> None:
-        rows = torch.arange(len(output_ids), device=output_ids.device)
+    def cumulate_output_tokens(self, output_ids: torch.Tensor, rows: torch.Tensor) -> None:
         self.present[rows, output_ids] = 1.0
 
     def apply(self, logits: torch.Tensor) -> None:

@@ -32,8 +32,7 @@ class BatchedRepetitionPenalizer(RowTensorPenalizer):
     def is_active(self) -> bool:
         return bool((self.penalties != 1.0).any())
 
-    def cumulate_output_tokens(self, output_ids: torch.Tensor) -> None:
-        rows = torch.arange(len(output_ids), device=output_ids.device)
+    def cumulate_output_tokens(self, output_ids: torch.Tensor, rows: torch.Tensor) -> None:
         self.seen[rows, output_ids] = True
 
     def apply(self, logits: torch.Tensor) -> None:

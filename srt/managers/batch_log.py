@@ -3,7 +3,8 @@
 One line per batch: ``<step> <mode> <rid>,<rid>,...``, written to
 ``<dir>/batches_DP{d}_TP{t}.log``; after a batch whose sampled ids went through the token
 agreement (TP > 1, grammars in the batch), a line ``<step> AGREE <mismatches>``: how many
-of this rank's own samples differed from the agreed ids (expected: always 0); with the
+of this rank's own samples differed from the agreed ids (expected: always 0); after a
+batch whose grammars forced tokens, ``<step> FORCED <row>:<token>,...``; with the
 radix cache on, ``<step> CACHE <digest> <evicted>`` after every batch: a hash of the whole
 prefix tree (keys, slots, locks) once the batch's requests were cached or released, and
 the tokens evicted so far. The ranks of a TP group must write identical files:
@@ -37,6 +38,12 @@ class BatchLog:
         if self._file is not None:
             self._file.write(f"{self._step} {mode} {','.join(rids)}\n")
             self._step += 1
+
+    def record_forced(self, rows: list[int], ids: list[int]) -> None:
+        """Tokens grammar fast-forward appended after this batch: ``row:token`` pairs."""
+        if self._file is not None:
+            pairs = ",".join(f"{r}:{t}" for r, t in zip(rows, ids))
+            self._file.write(f"{self._step - 1} FORCED {pairs}\n")
 
     def record_agreement(self, mismatches: int) -> None:
         if self._file is not None:

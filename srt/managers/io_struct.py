@@ -64,6 +64,8 @@ class BatchTokenOut:
     prompt_tokens: tuple[int, ...]
     completion_tokens: tuple[int, ...]
     cached_tokens: tuple[int, ...] = ()  # prompt tokens served from the radix cache
+    # Output tokens so far that grammar fast-forward appended without a decode step each.
+    fast_forward_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,13 @@ class Req:
         self.grammar_key: Optional[tuple[str, str]] = None
         self.grammar_future = None  # Future while waiting in the grammar queue
         self.grammar_wait_ct = 0  # scheduler polls spent waiting (identical on every rank)
+        self.fast_forward_tokens = 0  # output tokens the grammar forced (no decode step each)
+
+    @property
+    def uncomputed_tokens(self) -> int:
+        """Tokens without KV yet, which the next decode step feeds: the last output token,
+        plus any fast-forwarded after it."""
+        return self.seqlen - self.kv_committed_len
 
     @property
     def fill_ids(self) -> list[int]:

@@ -87,18 +87,33 @@ class KVCacheManager:
                            extend_lens, prefix_lens)
 
     def prepare_decode(self, reqs: list[Req]) -> ForwardBatch:
-        """One step: feed each request's last output token. Caller checked capacity."""
-        out_loc = self._alloc(len(reqs))
-        positions = [r.kv_committed_len for r in reqs]
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=self.device)
+        """One step: feed each request's tokens without KV (``uncomputed_tokens``: its last
+        output token, plus any the grammar fast-forwarded). A request with n such tokens
+        takes n consecutive decode rows (same table row, positions p..p+n-1): every layer
+        writes all rows' K/V before attending, and row i attends to positions <= its own,
+        so the rows compute exactly a causal extend of those n tokens, inside the decode
+        step (compiled graph included). Caller checked capacity."""
+        counts = [r.uncomputed_tokens for r in reqs]
+        total = sum(counts)
+        out_loc = self._alloc(total)
+        if total == len(reqs):
+            positions = [r.kv_committed_len for r in reqs]
+            table_rows = [r.req_pool_idx for r in reqs]
+            ids = [r.output_ids[-1] for r in reqs]
+        else:
+            positions, table_rows, ids = [], [], []
+            for r, n in zip(reqs, counts):
+                positions.extend(range(r.kv_committed_len, r.kv_committed_len + n))
+                table_rows.extend([r.req_pool_idx] * n)
+                ids.extend(r.output_ids[-n:])
+        rows = torch.tensor(table_rows, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         self.req_to_token_pool.req_to_token[rows, pos_t] = out_loc
-        for r in reqs:
-            r.kv_committed_len += 1
+        for r, n in zip(reqs, counts):
+            r.kv_committed_len += n
         seq_lens = [p + 1 for p in positions]
-        ids = [r.output_ids[-1] for r in reqs]
         return self._batch(ForwardMode.DECODE, reqs, ids, positions, out_loc, seq_lens,
-                           [1] * len(reqs), positions, rows=rows, pos_t=pos_t)
+                           [1] * total, positions, rows=rows, pos_t=pos_t)
 
     def _batch(self, mode, reqs, ids, positions, out_loc, seq_lens, extend_lens, prefix_lens,
                rows=None, pos_t=None) -> ForwardBatch:

@@ -11,11 +11,12 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Union
 
 import torch
 
-from constrained.grammar_manager import GrammarManager
+from constrained.grammar_manager import GrammarManager, GrammarPolling
 from constrained.registry import create_grammar_backend
 from distributed.parallel_state import RankInfo, TPGroup
 from distributed.token_agreement import agree_on_sampled_ids
@@ -71,14 +72,29 @@ class Scheduler:
         self._decode_next = False  # after a prefill chunk, running requests decode first
         backend = create_grammar_backend(server_args, tokenizer, self.vocab_size,
                                          tuple(model_config.eos_token_ids))
-        self.grammar_manager = GrammarManager(backend, tp, rank_info.log_prefix)
-        # Seconds spent filling / applying grammar masks, for benchmarks and logs.
-        self.mask_fill_seconds = self.mask_apply_seconds = 0.0
+        self.grammar_manager = GrammarManager(backend, tp, **self.grammar_manager_kwargs())
+        # Decode steps fill their grammar bitmask on this thread while the forward runs.
+        self.mask_executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        # Seconds spent filling / applying grammar masks, for benchmarks and logs: the fill
+        # as waited for on the critical path, and as worked (overlapped or not).
+        self.mask_fill_seconds = self.mask_fill_work_seconds = self.mask_apply_seconds = 0.0
         self.mask_steps = 0
+        # Grammar fast-forward: forced tokens are appended without a decode step each and
+        # ride along as extra rows of the next decode step, up to this many rows in all
+        # (the compiled step's largest batch: more would run that step eagerly).
+        self.fast_forward = not server_args.disable_grammar_fast_forward
+        self.decode_row_limit = server_args.torch_compile_max_bs
+        self.fast_forward_tokens = 0  # appended so far, for benchmarks and logs
         # Token agreement (TP > 1, batches with grammars): rows where this rank's own
         # sample differed from the agreed one. Expected to stay 0; measured, not assumed.
         self.token_agreement_steps = self.token_mismatches = 0
         self.step_stats = StepStats()  # per-phase seconds, for the benchmark breakdown
+
+    def grammar_manager_kwargs(self) -> dict:
+        """What a GrammarManager of this rank needs from the runtime (also for benchmarks
+        that swap backends): how to abort a request, and the live poll settings."""
+        return {"abort_request": abort_for_grammar, "polling": grammar_polling,
+                "log_prefix": self.rank_info.log_prefix}
 
     # ---- input -----------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -221,8 +237,9 @@ class Scheduler:
         return (ForwardMode.DECODE, list(self.running)) if self.running else None
 
     def _ensure_decode_capacity(self) -> None:
-        """Each decode step needs one slot per request: retract the newest if short."""
-        while self.running and self.kv.available_tokens() < len(self.running):
+        """Each decode step needs a slot per uncomputed token (one per request, more after
+        a fast-forward): retract the newest if short."""
+        while self.running and self.kv.available_tokens() < sum(r.uncomputed_tokens for r in self.running):
             req = self.running[-1]
             self._keep_running(self.running[:-1])
             self.kv.release(req)
@@ -245,11 +262,18 @@ class Scheduler:
             for r in reqs:
                 r.first_scheduled_time = r.first_scheduled_time or now
         else:
+            counts = [r.uncomputed_tokens for r in reqs]
             fb = self.kv.prepare_decode(reqs)
+            # The grammars are settled until this step's tokens are accepted: fill their
+            # bitmask while the forward runs.
+            self.running_info.start_vocab_mask_fill(self.mask_executor)
         self.batch_log.record(mode.name, (r.rid for r in reqs))
         times = self.step_stats.mode(mode.name)
         t0 = time.perf_counter()
         logits = self.runner.forward(fb)
+        if mode is ForwardMode.DECODE and fb.batch_size != len(reqs):
+            # Fast-forwarded requests fed several rows: sample from each one's last row.
+            logits = logits[torch.tensor(counts).cumsum(0) - 1]
         t1 = time.perf_counter()
         if mode is ForwardMode.EXTEND and reqs[-1].extend_limit is not None:
             # Mid-prefill: no token (its grammar and sampling state see nothing); it goes
@@ -281,27 +305,38 @@ class Scheduler:
                                self.rank_info.log_prefix, mismatches)
         if info.vocab_mask is not None:
             self.mask_fill_seconds += info.mask_fill_seconds
+            self.mask_fill_work_seconds += info.mask_fill_work_seconds
             self.mask_apply_seconds += info.mask_apply_seconds
             self.mask_steps += 1
         info.cumulate_output_tokens(next_ids)
         t3 = time.perf_counter()
         failed = info.take_failed_rows()
+        forced_rows, forced_ids = [], []
+        rows_left = self.decode_row_limit - len(reqs) - (len(self.running) if mode is ForwardMode.EXTEND else 0)
         for i, (r, tok) in enumerate(zip(reqs, next_ids.tolist())):
             if i not in failed:  # a failed row's token is never used
                 r.output_ids.append(tok)
                 message = self._accept_into_grammar(r, tok)
                 failed[i] = None if message is None else (message, 500)
+            if failed[i] is None:
+                r.check_finished(self.tokenizer)
+                if self.fast_forward and r.grammar is not None and rows_left > 0 and not r.finished:
+                    forced, failed[i] = self._fast_forward(r, rows_left)
+                    rows_left -= len(forced)
+                    forced_rows += [i] * len(forced)
+                    forced_ids += forced
             if failed[i] is not None:
                 message, status = failed[i]
                 logger.warning("%s aborting %s: %s", self.rank_info.log_prefix, r.rid, message)
                 r.finished_reason = FinishReason("abort", message=message, status_code=status)
-            else:
-                r.check_finished(self.tokenizer)
             if r.finished:
                 if r.grammar is not None:
                     r.grammar.finished = True
                 self.kv.release(r)
                 self.reqs.pop(r.rid, None)
+        info.cumulate_forced_tokens(forced_rows, forced_ids)
+        if forced_rows:
+            self.batch_log.record_forced(forced_rows, forced_ids)
         fill = info.mask_fill_seconds if info.vocab_mask is not None else 0.0
         grammar = fill + (time.perf_counter() - t3 if has_grammar else 0.0)
         # Sampling includes applying the mask; filling it is grammar work.
@@ -340,6 +375,26 @@ class Scheduler:
             return f"Grammar rejected the sampled token {token}: {e}"
         return None
 
+    def _fast_forward(self, req: Req, max_rows: int) -> tuple[list[int], Optional[tuple[str, int]]]:
+        """Append the tokens the request's grammar forces next; their KV is computed by the
+        next decode step. A pure function of grammar state and counts every rank shares, so
+        ranks force the same tokens. Returns (appended tokens, failure or None)."""
+        budget = min(req.remaining_new_tokens(), max_rows)
+        try:
+            forced = req.grammar.fast_forward(budget)
+        except Exception as e:  # a library bug aborts this request only
+            return [], (f"Grammar fast-forward failed: {type(e).__name__}: {e}", 500)
+        appended = []
+        for tok in forced:
+            req.output_ids.append(tok)
+            appended.append(tok)
+            req.check_finished(self.tokenizer)  # a stop string may end inside forced text
+            if req.finished:
+                break
+        req.fast_forward_tokens += len(appended)
+        self.fast_forward_tokens += len(appended)
+        return appended, None
+
     def _keep_running(self, kept: list[Req]) -> None:
         """Shrink `running` to `kept` (a subsequence) and its sampling state with it."""
         if len(kept) == len(self.running):
@@ -368,6 +423,7 @@ class Scheduler:
             prompt_tokens=tuple(len(r.origin_input_ids) for r in picked),
             completion_tokens=tuple(len(r.output_ids) for r in picked),
             cached_tokens=tuple(r.cached_tokens or 0 for r in picked),
+            fast_forward_tokens=tuple(r.fast_forward_tokens for r in picked),
         )]
 
     # ---- loop ------------------------------------------------------------------------
@@ -382,6 +438,16 @@ class Scheduler:
                 send(out)
             if not self.has_work():
                 self.kv.check_idle_integrity()
+
+
+def abort_for_grammar(req: Req, message: str) -> None:
+    req.finished_reason = FinishReason("abort", message=message, status_code=400)
+
+
+def grammar_polling() -> GrammarPolling:
+    """Read on every poll, so a changed environment takes effect (tests rely on it)."""
+    return GrammarPolling(environ.SGLANG_GRAMMAR_POLL_INTERVAL.get(),
+                          environ.SGLANG_GRAMMAR_MAX_POLL_ITERATIONS.get())
 
 
 def resolve_chunk_size(configured: Optional[int], device: str) -> Optional[int]:

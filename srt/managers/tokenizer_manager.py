@@ -42,6 +42,7 @@ class _ReqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    fast_forward_tokens: int = 0
     finish_reason: Optional[FinishReason] = None
     dp_rank: int = 0  # the DP group serving it: aborts must go to the same group
 
@@ -179,11 +180,12 @@ class TokenizerManager:
         self._sends[dp_rank].send(SCHEDULER_INPUT_CODEC.encode(msg), copy=False)
 
     def _apply(self, state: _ReqState, new_ids, reason, prompt_tokens, completion_tokens,
-               cached_tokens=0) -> None:
+               cached_tokens=0, fast_forward_tokens=0) -> None:
         new_ids = list(new_ids)
         state.output_ids.extend(new_ids)
         state.prompt_tokens, state.completion_tokens = prompt_tokens, completion_tokens
         state.cached_tokens = cached_tokens
+        state.fast_forward_tokens = fast_forward_tokens
         text_ids = new_ids
         if reason is not None:
             state.finish_reason = reason
@@ -210,6 +212,7 @@ class TokenizerManager:
                 "prompt_tokens": state.prompt_tokens,
                 "completion_tokens": state.completion_tokens,
                 "cached_tokens": state.cached_tokens,
+                "fast_forward_tokens": state.fast_forward_tokens,
                 "finish_reason": fr,
             },
         }
@@ -248,6 +251,7 @@ class TokenizerManager:
                         out.new_token_ids[i], out.finished_reasons[i],
                         out.prompt_tokens[i], out.completion_tokens[i],
                         out.cached_tokens[i] if out.cached_tokens else 0,
+                        out.fast_forward_tokens[i] if out.fast_forward_tokens else 0,
                     ))
 
     @property

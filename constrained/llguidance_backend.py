@@ -21,21 +21,39 @@ from constrained.xgrammar_backend import _structures
 _WHITESPACE = r"[\x20\x0A\x0D\x09]"
 
 
-def close_objects(node, in_all_of: bool = False):
+def close_objects(schema):
     """Objects with ``properties`` but no ``additionalProperties`` get ``false``, as
     xgrammar's strict mode (and OpenAI's strict schemas) do, so both backends -- and auto's
     fallback -- generate the same shape instead of inventing extra keys. Not inside allOf,
-    where closing each branch would make the conjunction unsatisfiable."""
+    nor in a schema an allOf branch refers to: closing each branch would make the
+    conjunction unsatisfiable."""
+    shared: set[str] = set()
+    _all_of_refs(schema, False, shared)
+    return _close(schema, "#", False, shared)
+
+
+def _all_of_refs(node, in_all_of: bool, found: set[str]) -> None:
+    pairs = enumerate(node) if isinstance(node, list) else node.items() if isinstance(node, dict) else ()
+    for key, value in pairs:
+        if in_all_of and key == "$ref" and isinstance(value, str):
+            found.add(value)
+        elif key not in ("enum", "const", "default", "examples"):
+            _all_of_refs(value, in_all_of or key == "allOf", found)
+
+
+def _close(node, path: str, in_all_of: bool, shared: set[str]):
     if isinstance(node, list):
-        return [close_objects(n, in_all_of) for n in node]
+        return [_close(n, f"{path}/{i}", in_all_of, shared) for i, n in enumerate(node)]
     if not isinstance(node, dict):
         return node
+    in_all_of = in_all_of or path in shared
     out = {}
     for key, value in node.items():
         if key in ("enum", "const", "default", "examples"):  # data, not schema
             out[key] = value
         else:
-            out[key] = close_objects(value, in_all_of or key == "allOf")
+            sub = f"{path}/{key.replace('~', '~0').replace('/', '~1')}"
+            out[key] = _close(value, sub, in_all_of or key == "allOf", shared)
     if ("properties" in out and not in_all_of and "additionalProperties" not in out
             and "patternProperties" not in out and "unevaluatedProperties" not in out):
         out["additionalProperties"] = False

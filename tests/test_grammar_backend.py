@@ -169,6 +169,11 @@ def test_close_objects_matches_xgrammar_strictness():
     assert closed["properties"]["a"]["additionalProperties"] is False
     assert "additionalProperties" not in closed["allOf"][0] and closed["enum"] == schema["enum"]
     assert "additionalProperties" not in close_objects({"type": "object"})
+    pet = {"allOf": [{"$ref": "#/$defs/new"}, {"properties": {"id": {}}, "required": ["id"]}],
+           "$defs": {"new": {"properties": {"name": {}}}, "other": {"properties": {"x": {}}}}}
+    closed = close_objects(pet)  # a schema an allOf branch refers to stays open, others close
+    assert "additionalProperties" not in closed["$defs"]["new"]
+    assert closed["$defs"]["other"]["additionalProperties"] is False
 
 
 def test_auto_falls_back_per_request_and_reports_why(smollm2_tokenizer):

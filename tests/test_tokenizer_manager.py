@@ -58,7 +58,7 @@ def test_non_stream_returns_one_sglang_shaped_dict(tok):
     script = tok.encode(REPLY, add_special_tokens=False)
     assert out["output_ids"] == script[:5]
     assert out["text"] == tok.decode(script[:5])
-    assert out["meta_info"] == {"id": "r1", "prompt_tokens": len(prompt), "completion_tokens": 5, "cached_tokens": 0,
+    assert out["meta_info"] == {"id": "r1", "prompt_tokens": len(prompt), "completion_tokens": 5, "cached_tokens": 0, "fast_forward_tokens": 0,
                                 "finish_reason": {"type": "length", "length": 5}}
 
 

@@ -81,9 +81,10 @@ class Scheduler:
         self.mask_steps = 0
         # Grammar fast-forward: forced tokens are appended without a decode step each and
         # ride along as extra rows of the next decode step, up to this many rows in all
-        # (the compiled step's largest batch: more would run that step eagerly).
+        # (the compiled step's / CUDA graphs' largest batch: more would run it eagerly).
         self.fast_forward = not server_args.disable_grammar_fast_forward
-        self.decode_row_limit = server_args.torch_compile_max_bs
+        graph = r.compiled_decode or r.cuda_graph_runner
+        self.decode_row_limit = graph.max_bs if graph is not None else server_args.torch_compile_max_bs
         self.fast_forward_tokens = 0  # appended so far, for benchmarks and logs
         # Token agreement (TP > 1, batches with grammars): rows where this rank's own
         # sample differed from the agreed one. Expected to stay 0; measured, not assumed.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import torch
 
 _TILE_TOKENS = 32768  # torch's grain size: ops up to this many elements stay single-threaded
@@ -41,8 +42,12 @@ _local = threading.local()  # workspaces: apply may run on several threads at on
 
 
 def allocate_token_bitmask(batch_size: int, vocab_size: int, device="cpu") -> torch.Tensor:
-    """All tokens allowed."""
-    return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
+    """All tokens allowed. On the CPU made by numpy: it may run on the mask-fill thread
+    beside the forward, and torch.full of this size would start a second OpenMP team."""
+    shape = (batch_size, (vocab_size + 31) // 32)
+    if torch.device(device).type == "cpu":
+        return torch.from_numpy(np.full(shape, -1, dtype=np.int32))
+    return torch.full(shape, -1, dtype=torch.int32, device=device)
 
 
 def reset_token_bitmask(bitmask: torch.Tensor) -> None:

@@ -6,14 +6,16 @@ bounds next to a pattern, drops not/if/uniqueItems/contains, and drops multipleO
 and on integers in ranges too large to enumerate (every integer, once bounded by default);
 llguidance enforces those or rejects the schema. A schema llguidance rejects gets xgrammar's
 approximation rather than a 400 (what --grammar-backend xgrammar serves). Why a request went
-where it did is in its GrammarStats."""
+where it did is in its GrammarStats,
+and each fallback is counted by reason and outcome in ``self.metrics`` (--enable-metrics)."""
 from __future__ import annotations
 
 import json
 from typing import Any, Optional
 
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, clean_error
-from constrained.grammar_config import GrammarBackendConfig
+from constrained.grammar_config import GrammarBackendConfig, json_layout
+from constrained.grammar_metrics import fallback_label
 from constrained.llguidance_backend import GuidanceBackend
 from constrained.xgrammar_backend import XGrammarGrammarBackend
 
@@ -52,6 +54,7 @@ def xgrammar_known_issue(spec: str) -> Optional[str]:
 
 class AutoGrammarBackend(BaseGrammarBackend):
     name = "auto"
+    supports_json_layout = True  # a per-request whitespace_pattern goes to llguidance
 
     def __init__(self, xgrammar_backend: XGrammarGrammarBackend, guidance_backend: GuidanceBackend,
                  config: GrammarBackendConfig) -> None:
@@ -70,10 +73,14 @@ class AutoGrammarBackend(BaseGrammarBackend):
 
     def dispatch(self, key: tuple[str, str]) -> BaseGrammarObject:
         kind, spec = key
-        reason = None
+        reason, to_guidance = None, False  # to_guidance: only llguidance can serve it
         if kind == "json_schema":
-            reason = ("--constrained-json-whitespace-pattern" if self.json_to_guidance
-                      else xgrammar_known_issue(spec))
+            if self.json_to_guidance:
+                reason, to_guidance = "--constrained-json-whitespace-pattern", True
+            elif "whitespace_pattern" in (json_layout(spec) or {}):
+                reason, to_guidance = "a per-request whitespace_pattern", True
+            else:
+                reason = xgrammar_known_issue(spec)
             reason = reason and f"uses {reason}"
         if reason is None:
             try:
@@ -82,23 +89,28 @@ class AutoGrammarBackend(BaseGrammarBackend):
                 return value
             except Exception as e:
                 reason = f"xgrammar rejected it: {clean_error(e)}"
+        label = fallback_label(reason)
         try:
             value = self.guidance.dispatch(key)
         except Exception as e:
             reason = f"{reason}; llguidance: {clean_error(e)}"
-            if reason.startswith("xgrammar rejected it") or self.json_to_guidance:
+            if reason.startswith("xgrammar rejected it") or to_guidance:
+                self.metrics.count_fallback(label, "failed")
                 raise ValueError(reason) from None
-            return self._approximate(key, reason)
+            return self._approximate(key, reason, label)
         value.stats.dispatch_type = f"llguidance (fallback: {reason})"
+        self.metrics.count_fallback(label, "llguidance")
         return value
 
-    def _approximate(self, key: tuple[str, str], reason: str) -> BaseGrammarObject:
+    def _approximate(self, key: tuple[str, str], reason: str, label: str) -> BaseGrammarObject:
         """llguidance refused a spec xgrammar only approximates: serve xgrammar's reading."""
         try:
             value = self.xgrammar.dispatch(key)
         except Exception as e:
+            self.metrics.count_fallback(label, "failed")
             raise ValueError(f"{reason}; xgrammar: {clean_error(e)}") from None
         value.stats.dispatch_type = f"xgrammar (approximate: {reason})"
+        self.metrics.count_fallback(label, "xgrammar_approximation")
         return value
 
     def shutdown(self) -> None:

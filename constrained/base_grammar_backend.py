@@ -19,6 +19,8 @@ from typing import Optional, Union
 import torch
 
 from constrained.bitmask_ops import allocate_token_bitmask, apply_token_bitmask_inplace
+from constrained.grammar_config import JSON_LAYOUT_KEY, json_layout
+from constrained.grammar_metrics import GrammarMetrics
 from constrained.schema_refs import check_no_external_refs
 
 logger = logging.getLogger(__name__)
@@ -147,18 +149,25 @@ class BaseGrammarBackend:
     # Set by create_grammar_backend: each compiled grammar is then probed once, and one
     # that allows no token at its start (it admits no output at all) is a compile failure.
     vocab_size: Optional[int] = None
+    # Reads a json_schema spec's per-request whitespace (grammar_config.JSON_LAYOUT_KEY);
+    # a backend that does not is refused such a spec instead of ignoring it.
+    supports_json_layout = False
 
     def __init__(self, num_threads: int = 2, cache_size: int = 1024) -> None:
         self.executor = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile")
         self.cache_size = cache_size
         self._cache: OrderedDict[GrammarKey, BaseGrammarObject] = OrderedDict()
         self._inflight: dict[GrammarKey, Future] = {}
+        self.metrics = GrammarMetrics()  # cumulative counters for --enable-metrics
 
     # ---- compiling --------------------------------------------------------------------
     def dispatch(self, key: GrammarKey) -> BaseGrammarObject:
         kind, spec = key
         if kind in ("json_schema", "structural_tag"):
             check_no_external_refs(spec, kind)  # never fetch: see schema_refs.py
+        if kind == "json_schema" and not self.supports_json_layout and json_layout(spec) is not None:
+            raise ValueError(f"the {self.name} grammar backend does not support per-request JSON "
+                             f"whitespace options ({JSON_LAYOUT_KEY})")
         method = getattr(self, f"dispatch_{kind}", None)
         if method is None:
             raise ValueError(f"the {self.name} grammar backend does not support {kind} constraints")
@@ -175,6 +184,8 @@ class BaseGrammarBackend:
             value = InvalidGrammarObject(f"Failed to compile {key[0]} grammar: {clean_error(e)}")
         value.stats.compile_time = time.perf_counter() - start
         value.stats.dispatch_type = value.stats.dispatch_type or self.name
+        self.metrics.observe_compile(value.stats.dispatch_type, key[0], value.stats.compile_time,
+                                     isinstance(value, InvalidGrammarObject))
         return value
 
     def get_cached_or_future_value(self, key: GrammarKey) -> tuple[Union[BaseGrammarObject, Future], bool]:
@@ -184,7 +195,9 @@ class BaseGrammarBackend:
             self._cache.move_to_end(key)
             copy = value.copy()
             copy.stats.cache_hit = True
+            self.metrics.count("cache_hits")
             return copy, True
+        self.metrics.count("cache_misses")
         future = self._inflight.get(key)
         if future is None or future.cancelled():
             future = self.executor.submit(self.init_value, key)

@@ -1,8 +1,10 @@
 """Frozen options every grammar backend is built from (derived from ServerArgs once)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass(frozen=True)
@@ -11,6 +13,56 @@ class JsonOptions:
     whitespace_pattern: Optional[str] = None  # regex between JSON tokens (llguidance)
     max_whitespace: int = 16  # whitespace characters allowed between tokens (0: unbounded)
     unbounded_numbers: bool = False  # True: no default digit bounds (json_number_bounds.py)
+
+
+# A json_schema spec may carry per-request whitespace options (vLLM's
+# ``disable_any_whitespace`` / ``whitespace_pattern``) in this root keyword: being part of
+# the spec, they are part of the grammar cache key. Backends that honour it set
+# ``supports_json_layout``; the others refuse such a spec rather than ignore it.
+JSON_LAYOUT_KEY = "x-gramsync-json-layout"
+_LAYOUT_FIELDS = ("disable_any_whitespace", "whitespace_pattern")
+
+
+def json_layout(spec: str) -> Optional[dict]:
+    """The per-request layout a json_schema spec carries, or None (cheap when absent)."""
+    if JSON_LAYOUT_KEY not in spec:
+        return None
+    schema = json.loads(spec)
+    if not isinstance(schema, dict) or JSON_LAYOUT_KEY not in schema:
+        return None
+    layout = schema[JSON_LAYOUT_KEY]
+    if (not isinstance(layout, dict) or len(layout) != 1 or not set(layout) <= set(_LAYOUT_FIELDS)
+            or (layout.get("disable_any_whitespace", True) is not True)
+            or not isinstance(layout.get("whitespace_pattern", ""), str)):
+        raise ValueError(f'{JSON_LAYOUT_KEY} must be {{"disable_any_whitespace": true}} or '
+                         f'{{"whitespace_pattern": "<regex>"}}, got {layout!r}')
+    return layout
+
+
+def split_json_layout(spec: str, opts: JsonOptions) -> tuple[str, JsonOptions]:
+    """(the spec without its per-request layout, the JSON options with it applied: the
+    request's choice replaces the server's whitespace flags)."""
+    layout = json_layout(spec)
+    if layout is None:
+        return spec, opts
+    schema = {k: v for k, v in json.loads(spec).items() if k != JSON_LAYOUT_KEY}
+    if "disable_any_whitespace" in layout:
+        opts = dataclasses.replace(opts, disable_any_whitespace=True, whitespace_pattern=None)
+    else:
+        opts = dataclasses.replace(opts, disable_any_whitespace=False,
+                                   whitespace_pattern=layout["whitespace_pattern"])
+    return json.dumps(schema, ensure_ascii=False), opts
+
+
+def with_json_layout(schema: Any, disable_any_whitespace: bool = False,
+                     whitespace_pattern: Optional[str] = None) -> Any:
+    """``schema`` (parsed) carrying a per-request layout (at most one of the two options)."""
+    if not disable_any_whitespace and whitespace_pattern is None:
+        return schema
+    if isinstance(schema, bool):  # the same languages as true / false, as objects
+        schema = {} if schema else {"not": {}}
+    layout = {"disable_any_whitespace": True} if disable_any_whitespace else {"whitespace_pattern": whitespace_pattern}
+    return {**schema, JSON_LAYOUT_KEY: layout}
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,13 @@ the poll settings (live, so an environment change is seen) and how to abort a re
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from constrained.grammar_metrics import GrammarMetrics
 from distributed.grammar_agreement import agree_on_grammar_status
 from distributed.parallel_state import TPGroup
 
@@ -45,6 +47,8 @@ class GrammarManager:
         self.polling = polling
         self.log_prefix = log_prefix
         self.grammar_queue: list = []  # Reqs waiting for their compile, in arrival order
+        # Cumulative counters (--enable-metrics): the backend's, so compiles count there too.
+        self.metrics: GrammarMetrics = getattr(backend, "metrics", None) or GrammarMetrics()
 
     def process_req_with_grammar(self, req) -> bool:
         """Attach the grammar of a constrained request. True: a cache miss, the request now
@@ -53,6 +57,7 @@ class GrammarManager:
         key = req.sampling_params.constraint
         req.grammar_key = key
         if self.backend is None:
+            self.metrics.count("aborted")
             self.abort_request(req, DISABLED_MESSAGE.format(kind=key[0]))
             return False
         value, hit = self.backend.get_cached_or_future_value(key)
@@ -86,7 +91,10 @@ class GrammarManager:
                     ready.add(i)
             elif req.grammar_wait_ct >= max_polls:
                 failed[i] = TIMEOUT_MESSAGE.format(kind=req.grammar_key[0], polls=max_polls)
+        start = time.perf_counter()
         ready, failed = agree_on_grammar_status(ready, failed, self.tp, queue_len=len(self.grammar_queue))
+        if not self.tp.is_single:
+            self.metrics.observe_agreement(time.perf_counter() - start)
         if not ready and not failed:
             return [], []
         ready_reqs, failed_pairs, keep = [], [], []
@@ -116,6 +124,7 @@ class GrammarManager:
     def _attach(self, req, value: BaseGrammarObject) -> None:
         req.grammar_future = None
         if isinstance(value, InvalidGrammarObject):
+            self.metrics.count("aborted")
             self.abort_request(req, value.message)
             return
         value.maybe_init_reasoning(req.require_reasoning)
@@ -123,7 +132,9 @@ class GrammarManager:
         logger.debug("%s %s grammar ready: %s", self.log_prefix, req.rid, value.stats)
 
     def _fail(self, req, message: str) -> None:
+        self.metrics.count("aborted")
         if message.startswith("Grammar preprocessing timed out"):
+            self.metrics.count("timeouts")
             # Not cached: a later request may compile in time. Stop an unstarted compile.
             self.backend.release(req.grammar_key, self._is_wanted(req.grammar_key))
         else:  # the agreed message, so the negative cache is identical on every rank

@@ -13,9 +13,10 @@ import llguidance.torch
 import torch
 
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
-from constrained.grammar_config import GrammarBackendConfig
+from constrained.grammar_config import GrammarBackendConfig, JsonOptions, split_json_layout
 from constrained.json_number_bounds import LLGUIDANCE_BOUNDS, bound_numbers
 from constrained.json_one_of import exclusive_one_of
+from constrained.structural_tag_lark import structural_tag_to_lark
 from constrained.xgrammar_backend import _structures
 
 _WHITESPACE = r"[\x20\x0A\x0D\x09]"
@@ -139,24 +140,27 @@ class GuidanceGrammar(BaseGrammarObject):
         return twin
 
 
+def _json_overrides(opts: JsonOptions) -> dict:
+    if opts.disable_any_whitespace:
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    if opts.whitespace_pattern is not None:
+        return {"whitespace_pattern": opts.whitespace_pattern}
+    if opts.max_whitespace:
+        return {"whitespace_pattern": f"{_WHITESPACE}{{0,{opts.max_whitespace}}}"}
+    return {"whitespace_flexible": True}
+
+
 class GuidanceBackend(BaseGrammarBackend):
     name = "llguidance"
+    supports_json_layout = True
 
     def __init__(self, ll_tokenizer: llg.LLTokenizer, config: GrammarBackendConfig) -> None:
         super().__init__(config.num_threads, config.cache_size)
         self.tokenizer = ll_tokenizer
         self.mask_filler = GuidanceMaskFiller()
-        opts = config.json
-        self.unbounded_numbers = opts.unbounded_numbers
-        if opts.disable_any_whitespace:
-            self.json_overrides = {"whitespace_flexible": False, "item_separator": ",",
-                                   "key_separator": ":"}
-        elif opts.whitespace_pattern is not None:
-            self.json_overrides = {"whitespace_pattern": opts.whitespace_pattern}
-        elif opts.max_whitespace:
-            self.json_overrides = {"whitespace_pattern": f"{_WHITESPACE}{{0,{opts.max_whitespace}}}"}
-        else:
-            self.json_overrides = {"whitespace_flexible": True}
+        self.json_options = config.json
+        self.unbounded_numbers = config.json.unbounded_numbers
+        self.json_overrides = _json_overrides(config.json)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, config: GrammarBackendConfig) -> "GuidanceBackend":
@@ -171,16 +175,31 @@ class GuidanceBackend(BaseGrammarBackend):
         return GuidanceGrammar(matcher, self.mask_filler)
 
     def dispatch_json_schema(self, spec: str) -> GuidanceGrammar:
+        spec, opts = split_json_layout(spec, self.json_options)
+        overrides = self.json_overrides if opts is self.json_options else _json_overrides(opts)
         schema = close_objects(json.loads(spec))
         if not self.unbounded_numbers:
             schema = bound_numbers(schema, LLGUIDANCE_BOUNDS)
         try:
-            return self._matcher(llg.LLMatcher.grammar_from_json_schema(schema, overrides=self.json_overrides))
+            return self._matcher(llg.LLMatcher.grammar_from_json_schema(schema, overrides=overrides))
         except ValueError as e:  # oneOf it cannot prove disjoint: narrow closed-object branches
             exclusive = exclusive_one_of(schema) if "oneOf" in str(e) else None
             if exclusive is None:
                 raise
-            return self._matcher(llg.LLMatcher.grammar_from_json_schema(exclusive, overrides=self.json_overrides))
+            return self._matcher(llg.LLMatcher.grammar_from_json_schema(exclusive, overrides=overrides))
+
+    def _tag_schema(self, schema, max_whitespace):
+        """A structural tag's JSON schema with this backend's JSON options (as
+        dispatch_json_schema applies them); the tag's own whitespace bound wins."""
+        if not isinstance(schema, dict):
+            return schema
+        schema = close_objects(schema)
+        if not self.unbounded_numbers:
+            schema = bound_numbers(schema, LLGUIDANCE_BOUNDS)
+        opts = dict(self.json_overrides)
+        if max_whitespace and opts.get("whitespace_flexible") is not False:
+            opts = {"whitespace_pattern": f"{_WHITESPACE}{{0,{max_whitespace}}}"}
+        return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **opts}}
 
     def dispatch_regex(self, spec: str) -> GuidanceGrammar:
         return self._matcher(llg.LLMatcher.grammar_from_regex(ascii_shorthands(spec)))
@@ -193,8 +212,8 @@ class GuidanceBackend(BaseGrammarBackend):
 
     def dispatch_structural_tag(self, spec: str) -> GuidanceGrammar:
         tag = json.loads(spec)
-        if "format" in tag:
-            raise ValueError("llguidance supports the structures/triggers structural_tag format only")
+        if "format" in tag:  # xgrammar's format style (a subset): tool calls use it
+            return self._matcher(llg.LLMatcher.grammar_from_lark(structural_tag_to_lark(tag, self._tag_schema)))
         tags = []
         for s in _structures(tag):
             trigger = next((t for t in tag["triggers"] if s["begin"].startswith(t)), None)

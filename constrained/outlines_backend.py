@@ -17,7 +17,7 @@ import outlines_core as oc
 import torch
 
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
-from constrained.grammar_config import GrammarBackendConfig
+from constrained.grammar_config import GrammarBackendConfig, split_json_layout
 from constrained.llguidance_backend import ascii_shorthands
 from constrained.outlines_schema import schema_to_regex
 
@@ -132,6 +132,7 @@ class OutlinesGrammar(BaseGrammarObject):
 
 class OutlinesGrammarBackend(BaseGrammarBackend):
     name = "outlines"
+    supports_json_layout = True
 
     def __init__(self, vocabulary: oc.Vocabulary, config: GrammarBackendConfig) -> None:
         super().__init__(config.num_threads, config.cache_size)
@@ -149,7 +150,7 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
                                              self.eos_token_ids))
 
     def dispatch_json_schema(self, spec: str) -> OutlinesGrammar:
-        return self.compile_regex(schema_to_regex(spec, self.json_options))
+        return self.compile_regex(schema_to_regex(*split_json_layout(spec, self.json_options)))
 
     def dispatch_regex(self, spec: str) -> OutlinesGrammar:
         return self.compile_regex(spec)

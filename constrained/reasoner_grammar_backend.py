@@ -65,6 +65,7 @@ class ReasonerGrammarBackend(BaseGrammarBackend):
                  num_threads: int = 2, cache_size: int = 1024) -> None:
         super().__init__(num_threads, cache_size)
         self.backend, self.think_end_id = backend, think_end_id
+        self.metrics = backend.metrics  # one set of counters (auto counts its fallbacks there)
         self.name = f"{backend.name}+reasoner"
 
     def dispatch(self, key: GrammarKey) -> BaseGrammarObject:

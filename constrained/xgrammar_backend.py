@@ -8,7 +8,7 @@ import torch
 import xgrammar as xgr
 
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
-from constrained.grammar_config import GrammarBackendConfig
+from constrained.grammar_config import GrammarBackendConfig, split_json_layout
 from constrained.json_number_bounds import XGRAMMAR_BOUNDS, bound_number_rule, bound_numbers
 
 
@@ -85,6 +85,7 @@ class XGrammarGrammar(BaseGrammarObject):
 
 class XGrammarGrammarBackend(BaseGrammarBackend):
     name = "xgrammar"
+    supports_json_layout = True
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo, config: GrammarBackendConfig) -> None:
         super().__init__(config.num_threads, config.cache_size)
@@ -108,7 +109,10 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         return XGrammarGrammar(compiled, self.mask_filler, self.jump_forward)
 
     def dispatch_json_schema(self, spec: str) -> XGrammarGrammar:
-        opts = self.json
+        spec, opts = split_json_layout(spec, self.json)
+        if opts.whitespace_pattern is not None:
+            raise ValueError("xgrammar has no JSON whitespace patterns: whitespace_pattern needs "
+                             "--grammar-backend llguidance, outlines or auto")
         if opts.disable_any_whitespace:  # compact, not xgrammar's default ", " / ": "
             layout = {"any_whitespace": False, "separators": (",", ":")}
         else:

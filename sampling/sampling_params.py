@@ -15,6 +15,7 @@ _MAX_SEED = 2**63 - 1
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "choice", "structural_tag")
 _MAX_CHOICES = 1024
+MAX_N = 128  # samples per request (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: Optional[int] = None
     skip_special_tokens: bool = True
-    n: int = 1
+    n: int = 1  # independent samples of the prompt (the frontend splits them)
     # Constraints (at most one); the grammar backends give them meaning.
     json_schema: Optional[str] = None
     regex: Optional[str] = None
@@ -144,8 +145,8 @@ class SamplingParams:
         for tok, bias in self.logit_bias:
             if not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}.")
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (several choices per request are not supported), got {self.n}.")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}.")
         given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"Only one constraint kind per request is allowed, got {' and '.join(given)}.")

@@ -32,6 +32,9 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: MHATokenToKVPool
     return_all_logits: bool = False  # True: logits for every new token (tests); else last per seq
+    # EXTEND: the rows of input_ids whose logits to return (prompt logprobs need more than
+    # the last per sequence); None: the last per sequence.
+    logit_rows: Optional[list[int]] = None
     attn_backend: Optional["AttentionBackend"] = None  # set by the model runner
     # Built once per step by the attention backend (DECODE): each row's KV slots, padded.
     decode_kv_slots: Optional[torch.Tensor] = None  # [B, S] int64

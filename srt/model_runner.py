@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional, Sequence
 
 import psutil
 import torch
 
 from distributed.communication import tp_min_int
 from distributed.parallel_state import RankInfo, TPGroup
+from sampling.logprobs import log_softmax_rows
 from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
@@ -186,7 +188,17 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(fb)  # once per step, outside the layers
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,
+               logprob_rows: Sequence[int] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(token ids [B], logprobs [len(logprob_rows), V] of those rows or None): the
+        logprobs describe the distribution --logprobs-mode names (sampling/logprobs.py)."""
         info.update_regex_vocab_mask()
+        raw = self.server_args.logprobs_mode == "raw_logprobs"
+        rows = torch.tensor(list(logprob_rows), dtype=torch.int64, device=logits.device) if logprob_rows else None
+        logprobs = None
+        if rows is not None and raw:
+            logprobs = log_softmax_rows(logits[rows])
         info.apply_logits_bias(logits)
-        return self.sampler(logits, info)
+        if rows is not None and not raw:  # before the sampler, which may work in place
+            logprobs = log_softmax_rows(logits[rows], info.temperatures[rows])
+        return self.sampler(logits, info), logprobs

@@ -30,7 +30,7 @@ class ServerArgs:
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
     # Security (README "Security")
-    api_key: Optional[str] = _f(None, "Every endpoint but /health needs 'Authorization: Bearer <key>' (default: $GRAMSYNC_API_KEY; unset: no key).")
+    api_key: Optional[str] = _f(None, "Every endpoint but /health and /metrics needs 'Authorization: Bearer <key>' (default: $GRAMSYNC_API_KEY; unset: no key).")
     admin_api_key: Optional[str] = _f(None, "Key for the admin endpoints (/abort_request, /get_server_info); the --api-key does not grant them (default: $GRAMSYNC_ADMIN_API_KEY; unset: --api-key guards them).")
     max_request_bytes: int = _f(32 * 1024 * 1024, "Largest HTTP request body accepted (413 past it).")
     cluster_secret_file: Optional[str] = _f(None, "Multi-node: file holding the secret every node shares; only holders can use the cluster sockets (default: $GRAMSYNC_CLUSTER_SECRET; node 0 generates and prints one if neither is set).")
@@ -56,6 +56,7 @@ class ServerArgs:
     enable_custom_logit_processor: bool = _f(False, "Allow requests to carry a custom logit processor (a CustomLogitProcessor class importable on the server).")
     # Constrained generation
     grammar_backend: str = _f("auto", "Grammar backend: auto (default: xgrammar, and per request llguidance for specs xgrammar rejects or only approximates, such as oneOf), xgrammar, llguidance, none (reject constraints), or a name registered with register_grammar_backend (see --grammar-backend-plugins).")
+    logprobs_mode: str = _f("processed_logprobs", "What returned logprobs describe: processed_logprobs, the distribution the token was drawn from (after penalties, grammar mask, logit bias and temperature); raw_logprobs, the model's own (vLLM's flag).", ["processed_logprobs", "raw_logprobs"])
     disable_grammar_fast_forward: bool = _f(False, "Never append the tokens a grammar forces (the rest of a JSON key, a fixed separator) without a decode step each; by default they are appended and their KV computed as extra rows of the next decode step.")
     grammar_backend_plugins: Optional[str] = _f(None, "Comma-separated modules every scheduler rank imports before creating the grammar backend (they call register_grammar_backend).")
     constrained_json_disable_any_whitespace: bool = _f(False, "JSON constraints allow no whitespace between tokens (compact separators ',' and ':').")
@@ -65,6 +66,7 @@ class ServerArgs:
     grammar_compile_threads: int = _f(2, "Threads per rank that compile grammars in the background.")
     grammar_cache_size: int = _f(1024, "Compiled grammars (and compile failures) kept per rank, least recently used evicted.")
     reasoning_parser: Optional[str] = _f(None, "Thinking-model format: constraints start after the think-end token (qwen3, deepseek-r1).", ["qwen3", "deepseek-r1"])
+    tool_call_parser: Optional[str] = _f(None, "Tool-call format (README 'Tool calling'): hermes, qwen25 or qwen (all the <tool_call> JSON format, also the default); the grammar, the history rendering and the parser follow it.", ["hermes", "qwen25", "qwen"])
     # Parallelism
     tp_size: int = _f(1, "Tensor-parallel size: ranks that shard one copy of the model.")
     dp_size: int = _f(1, "Data-parallel size: independent TP groups; the frontend spreads requests over them.")
@@ -74,8 +76,9 @@ class ServerArgs:
     dist_init_addr: Optional[str] = _f(None, "host:port of node 0 for torch.distributed init (default on one node: a free local port; required with --nnodes > 1).")
     dist_timeout: float = _f(600.0, "Seconds the ranks wait for each other: the rendezvous at start-up and every collective after it (a lost peer fails the rank after this).")
     watchdog_timeout: float = _f(300.0, "Seconds a scheduler iteration may take before its rank exits and the server goes down with it (0: off).")
-    # Logging
+    # Logging and metrics
     log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
+    enable_metrics: bool = _f(False, "Serve Prometheus metrics at GET /metrics (README 'Metrics'); 404 without this flag.")
 
     def __post_init__(self):
         if self.tp_size < 1 or self.dp_size < 1:

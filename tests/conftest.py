@@ -41,6 +41,17 @@ def smollm2_tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
+@pytest.fixture(scope="session")
+def fp32_engine(smollm2_dir):
+    """An offline Engine (real scheduler process) in float32, shared by the modules that
+    compare against references (logprobs, n > 1)."""
+    from srt.entrypoints.engine import Engine
+
+    with Engine(model_path=smollm2_dir, max_total_tokens=4096, max_running_requests=8,
+                dtype="float32", random_seed=0) as eng:
+        yield eng
+
+
 def _launch_server(tmp_path_factory, model_dir: str, extra_args: list[str], env: dict | None = None):
     """Yield the base URL of a real server (`python launch.py`, embedded SmolLM2 on CPU);
     ``env`` adds environment variables for the server's processes. The free port is
@@ -103,9 +114,10 @@ def _wait_healthy(proc, base: str, log_path) -> bool:
 def server(tmp_path_factory, smollm2_dir):
     """ONE real server shared by the whole session: --grammar-backend xgrammar (pinned: the
     tests using it check xgrammar's behaviour and messages; the default, auto, is
-    ``server_auto``), started with --enable-custom-logit-processor."""
+    ``server_auto``), started with --enable-custom-logit-processor and --enable-metrics."""
     yield from _launch_server(tmp_path_factory, smollm2_dir,
-                              ["--grammar-backend", "xgrammar", "--enable-custom-logit-processor"])
+                              ["--grammar-backend", "xgrammar", "--enable-custom-logit-processor",
+                               "--enable-metrics"])
 
 
 @pytest.fixture(scope="session")

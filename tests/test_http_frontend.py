@@ -122,7 +122,7 @@ BAD = [
     ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "bogus_field": 1}, "bogus_field"),
     ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "temperature": -1}, "temperature"),
     ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "top_p": 2}, "top_p"),
-    ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "n": 2}, "n must be 1"),
+    ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "n": 0}, "n must be in [1, 128], got 0"),
     ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "presence_penalty": 2.5},
      "presence_penalty must be in [-2, 2], got 2.5"),
     ("/v1/chat/completions", {"model": "m", "messages": MESSAGES, "logit_bias": {"x": 1}}, "logit_bias keys"),

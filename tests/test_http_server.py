@@ -2,9 +2,12 @@
 fixture in conftest.py) serving the embedded SmolLM2 on CPU, driven with the official
 `openai` client and httpx. Greedy (temperature 0) where the test compares two runs;
 max_tokens stays small (~30 tok/s on CPU)."""
+import importlib.metadata
 import json
+import re
 import threading
 import time
+import uuid
 
 import httpx
 import openai
@@ -90,7 +93,7 @@ BAD = [
     ("/v1/chat/completions", {"model": "smollm2", "messages": MESSAGES, "frobnicate": True}, "frobnicate"),
     ("/v1/chat/completions", {"model": "smollm2", "messages": MESSAGES, "temperature": -1}, "temperature"),
     ("/v1/chat/completions", {"model": "smollm2", "messages": MESSAGES, "top_p": 2}, "top_p"),
-    ("/v1/chat/completions", {"model": "smollm2", "messages": MESSAGES, "n": 2}, "n must be 1"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MESSAGES, "n": 0}, "n must be in [1, 128], got 0"),
     ("/v1/completions", {"model": "smollm2", "prompt": _long_prompt(9000)}, "longer than the model's context length"),
     ("/v1/completions", {"model": "smollm2", "prompt": _long_prompt(5000)}, "KV cache pool"),
     ("/generate", {"text": "hi", "sampling_params": {"top_p": 2}}, "top_p"),
@@ -157,3 +160,55 @@ def test_non_streaming_client_disconnect_aborts(server):
         httpx.post(server + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     _wait_for_abort(server, before)
     assert httpx.get(server + "/health", timeout=10).status_code == 200
+
+
+# ---- SGLang's admin/info endpoints ------------------------------------------------------
+ADMIN_ABORT = "Request aborted by an administrator (/abort_request)."
+
+
+def test_server_and_model_info(server):
+    info = _server_info(server)
+    assert info["version"] == importlib.metadata.version("gramsync")
+    # the effective ServerArgs (keys masked), then the schedulers' numbers
+    assert info["grammar_backend"] == "xgrammar" and info["served_model_name"] == "smollm2"
+    assert info["max_total_tokens"] == 4096 and info["api_key"] is None and info["admin_api_key"] is None
+    assert info["context_len"] > 0 and info["num_inflight_requests"] >= 0
+    model = httpx.get(server + "/get_model_info", timeout=10).json()
+    assert model == {"model_path": info["model_path"], "tokenizer_path": info["model_path"],
+                     "is_generation": True, "served_model_name": "smollm2",
+                     "preferred_sampling_params": None, "weight_version": "default"}
+
+
+def _rest_of_stream(server, body: dict, abort: dict) -> list[str]:
+    """Start a native stream, abort it with ``abort`` once it runs; its remaining lines."""
+    with httpx.stream("POST", server + "/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(ln for ln in lines if ln).startswith("data: ")
+        a = httpx.post(server + "/abort_request", json=abort, timeout=30)
+        assert a.status_code == 200 and body["rid"] in a.json()["aborted"], a.text
+        return [ln for ln in lines if ln]
+
+
+def test_abort_request_ends_running_streams_with_the_abort_message(server, client):
+    # an OpenAI stream, aborted by its response id (chatcmpl-<rid>), ends in an error event
+    stream = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=2000, stream=True,
+                                            extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    a = httpx.post(server + "/abort_request", json={"rid": first.id, "abort_all": False}, timeout=30)
+    assert a.status_code == 200 and a.json() == {"aborted": [first.id.removeprefix("chatcmpl-")]}
+    with pytest.raises(openai.APIError, match=re.escape(ADMIN_ABORT)):
+        for _ in stream:
+            pass
+    # a native stream, by rid (SGLang's body) and by abort_all: the last event says why
+    for abort in ({"rid": "{rid}", "abort_all": False}, {"rid": "", "abort_all": True}):
+        rid = "abort-" + uuid.uuid4().hex
+        body = {"text": "Write a very long essay.", "rid": rid, "stream": True,
+                "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+        rest = _rest_of_stream(server, body, {**abort, "rid": abort["rid"].format(rid=rid)})
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2].removeprefix("data: "))["meta_info"]
+        assert last["finish_reason"]["type"] == "abort" and last["finish_reason"]["message"] == ADMIN_ABORT
+        assert last["completion_tokens"] < 2000
+    # gone: aborting it again is a 404 naming the id
+    r = httpx.post(server + "/abort_request", json={"rid": rid}, timeout=30)
+    assert r.status_code == 404 and rid in r.json()["error"]["message"]

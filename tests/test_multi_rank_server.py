@@ -31,6 +31,7 @@ import psutil
 import pytest
 
 from conftest import ROOT, _launch_server
+from test_metrics import samples, value
 from process_helpers import stop_process_group
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -215,18 +216,18 @@ def tp1_ids(tmp_path_factory, smollm2_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def tp2_server(tmp_path_factory, smollm2_dir):
-    """(base URL, batch-log dir) of a ``--tp-size 2`` server."""
+    """(base URL, batch-log dir) of a ``--tp-size 2`` server (with --enable-metrics)."""
     log_dir = str(tmp_path_factory.mktemp("tp2_batches"))
-    for base in _launch_server(tmp_path_factory, smollm2_dir, ["--tp-size", "2", *FP32],
+    for base in _launch_server(tmp_path_factory, smollm2_dir, ["--tp-size", "2", "--enable-metrics", *FP32],
                                env={"GRAMSYNC_BATCH_LOG_DIR": log_dir}):
         yield base, log_dir
 
 
 @pytest.fixture(scope="module")
 def dp2_server(tmp_path_factory, smollm2_dir):
-    """(base URL, batch-log dir) of a ``--dp-size 2`` server (two TP=1 groups)."""
+    """(base URL, batch-log dir) of a ``--dp-size 2`` server (two TP=1 groups, --enable-metrics)."""
     log_dir = str(tmp_path_factory.mktemp("dp2_batches"))
-    for base in _launch_server(tmp_path_factory, smollm2_dir, ["--dp-size", "2", *FP32],
+    for base in _launch_server(tmp_path_factory, smollm2_dir, ["--dp-size", "2", "--enable-metrics", *FP32],
                                env={"GRAMSYNC_BATCH_LOG_DIR": log_dir}):
         yield base, log_dir
 
@@ -394,6 +395,39 @@ def test_dp2_abort_reaches_the_right_group(dp2_server):
     later = [rids for _mode, rids in group if set(after) & set(rids)]
     assert later, f"no follow-up request ran in group DP{holders[0]}"
     assert all(rid not in rids for rids in later), f"{rid} still ran after the abort"
+
+
+def _grammar_compiles(base: str, regex: str, requests: int) -> dict:
+    """Send ``requests`` requests constrained by a fresh ``regex``; then the scraped
+    /metrics once every DP group's entry rank reported its compile."""
+    for _ in range(requests):
+        _generate(base, "My code is ", regex=regex, temperature=0, max_new_tokens=8)
+    deadline = time.monotonic() + 15
+    while True:
+        p = samples(httpx.get(base + "/metrics", timeout=10).text)
+        counts = [value(p, "sglang:grammar_compilation_time_seconds_count", dp_rank=str(d), kind="regex")
+                  for d in range(requests)]
+        if all(counts) or time.monotonic() > deadline:
+            return p
+
+
+@pytest.mark.timeout(120)
+def test_tp2_metrics_include_the_grammar_agreement(tp2_server):
+    """Only the entry rank reports; the cross-rank agreement time exists only at TP > 1."""
+    p = _grammar_compiles(tp2_server[0], f"{uuid.uuid4().hex[:6]}-[0-9]{{3}}", 1)
+    assert value(p, "sglang:grammar_compilation_time_seconds_count", dp_rank="0", backend="xgrammar") >= 1
+    assert value(p, "sglang:grammar_agreement_time_seconds_count", dp_rank="0") >= 1
+    assert {lb for (n, lb) in p if n == "sglang:num_running_reqs"} == {(("dp_rank", "0"), ("model_name", "smollm2"))}
+
+
+@pytest.mark.timeout(120)
+def test_dp2_metrics_arrive_from_every_group(dp2_server):
+    """Each DP group's entry rank sends its own gauges and grammar counters (dp_rank label)."""
+    p = _grammar_compiles(dp2_server[0], f"{uuid.uuid4().hex[:6]}-[0-9]{{3}}", 2)  # round robin: one each
+    for d in ("0", "1"):
+        assert value(p, "sglang:grammar_compilation_time_seconds_count", dp_rank=d, kind="regex") >= 1, d
+        assert value(p, "sglang:max_total_num_tokens", dp_rank=d) == 4096
+    assert value(p, "sglang:num_requests_total") >= 2
 
 
 # ---- torchrun --------------------------------------------------------------------------

@@ -31,19 +31,19 @@ def test_chat_mapping_and_defaults():
     assert r.sampling_params() == {
         "max_new_tokens": 7, "ignore_eos": True, "skip_special_tokens": False, "temperature": 0.5,
         "top_p": 0.9, "top_k": 4, "min_p": 0.1, "seed": 3, "stop": "x", "stop_token_ids": [9],
-        "min_new_tokens": 2,
+        "min_new_tokens": 2, "n": 1,
     }
     # Unset fields are left out, so SamplingParams' defaults apply.
     assert ChatCompletionRequest(messages=MSGS).sampling_params() == {
-        "max_new_tokens": None, "ignore_eos": False, "skip_special_tokens": True}
+        "max_new_tokens": None, "ignore_eos": False, "skip_special_tokens": True, "n": 1}
     # No max_tokens: chat runs to the context (None), completions default to 16 (OpenAI).
     assert ChatCompletionRequest(messages=MSGS).sampling_params()["max_new_tokens"] is None
     assert CompletionRequest(prompt="a").sampling_params()["max_new_tokens"] == 16
 
 
 @pytest.mark.parametrize("extra,msg", [
-    ({"n": 2}, "n must be 1"), ({"bogus": 1}, "bogus"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"logprobs": True}, "logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"bogus": 1}, "bogus"), ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"stream_options": {"include_usage": True, "x": 1}}, "stream_options.x"),

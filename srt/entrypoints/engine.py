@@ -43,10 +43,16 @@ class Engine:
         return self._handles.info
 
     def generate(self, prompt: Union[Prompt, list[Prompt]],
-                 sampling_params: Union[dict, list[dict], None] = None) -> Union[dict, list[dict]]:
+                 sampling_params: Union[dict, list[dict], None] = None,
+                 **logprob_args: Any) -> Union[dict, list[dict]]:
         """Generate for one prompt (text or token ids) or a list; returns dict(s) with
-        ``text``, ``output_ids`` and ``meta_info`` (token counts, finish_reason).
+        ``text``, ``output_ids`` and ``meta_info`` (token counts, finish_reason); a
+        prompt with ``n`` > 1 gives a list of n such dicts. ``logprob_args``: the native
+        API's return_logprob, top_logprobs_num, logprob_start_len, return_text_in_logprobs.
         Invalid input raises ValueError with the same message the HTTP server returns."""
+        allowed = {"return_logprob", "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs"}
+        if set(logprob_args) - allowed:
+            raise TypeError(f"Unknown generate argument(s): {', '.join(sorted(set(logprob_args) - allowed))}")
         single = isinstance(prompt, str) or (
             isinstance(prompt, list) and prompt and isinstance(prompt[0], int))
         prompts = [prompt] if single else list(prompt)
@@ -56,12 +62,12 @@ class Engine:
             params = sampling_params
         else:
             params = [sampling_params or {}] * len(prompts)
-        outs = self._loop.run_until_complete(self._generate_all(prompts, params))
+        outs = self._loop.run_until_complete(self._generate_all(prompts, params, logprob_args))
         return outs[0] if single else outs
 
-    async def _generate_all(self, prompts: list[Prompt], params: list[dict]) -> list[dict]:
+    async def _generate_all(self, prompts: list[Prompt], params: list[dict], extra: dict) -> list[dict]:
         self.tokenizer_manager.start_handle_loop()
-        task = asyncio.gather(*(self._one(p, sp) for p, sp in zip(prompts, params)))
+        task = asyncio.gather(*(self._one(p, sp, extra) for p, sp in zip(prompts, params)))
         while True:  # never wait forever on a scheduler that died
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if done:
@@ -70,11 +76,11 @@ class Engine:
                 task.cancel()
                 raise RuntimeError("a scheduler process exited; see its log above")
 
-    async def _one(self, prompt: Prompt, sampling_params: dict) -> dict:
+    async def _one(self, prompt: Prompt, sampling_params: dict, extra: dict) -> dict:
         if isinstance(prompt, str):
-            obj = GenerateReqInput(text=prompt, sampling_params=sampling_params)
+            obj = GenerateReqInput(text=prompt, sampling_params=sampling_params, **extra)
         else:
-            obj = GenerateReqInput(input_ids=list(prompt), sampling_params=sampling_params)
+            obj = GenerateReqInput(input_ids=list(prompt), sampling_params=sampling_params, **extra)
         last = None
         async for out in self.tokenizer_manager.generate_request(obj):
             last = out

@@ -16,6 +16,7 @@ from srt.entrypoints.openai_serving import (
 )
 from srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
 from srt.security.http_guard import HttpGuard, HttpGuardConfig, RequestTooLarge
+from srt.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,13 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
     async def _too_large(request: Request, exc: RequestTooLarge):
         return error_response(str(exc), 413)
 
+    metrics = getattr(tm, "metrics", None)
+    if metrics is not None:  # --enable-metrics; without it no route (404), as in SGLang
+
+        @app.get("/metrics")
+        async def prometheus_metrics() -> Response:
+            return Response(metrics.render(), media_type=metrics.content_type)
+
     @app.get("/health")
     async def health(request: Request) -> Response:
         if not request.app.state.tokenizer_manager.scheduler_alive():
@@ -75,8 +83,11 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
 
     @app.get("/get_model_info")
     async def model_info() -> JSONResponse:
+        # SGLang's keys; no --preferred-sampling-params and no weight updates here.
         return JSONResponse({"model_path": server_args.model_path, "is_generation": True,
-                             "tokenizer_path": server_args.tokenizer_path or server_args.model_path})
+                             "tokenizer_path": server_args.tokenizer_path or server_args.model_path,
+                             "served_model_name": served_name, "preferred_sampling_params": None,
+                             "weight_version": "default"})
 
     @app.get("/get_server_info")
     async def server_info(request: Request) -> JSONResponse:
@@ -91,6 +102,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
             "num_aborted_requests": t.num_aborted,
             "num_dropped_messages": t.recv_drops.count,
             "num_refused_handshakes": t.transport.refused_handshakes,
+            "version": __version__,
         })
 
     @app.post("/flush_cache")
@@ -104,13 +116,24 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        """Admin (SGLang's endpoint): abort one request by id, or all with abort_all."""
+        """Admin (SGLang's endpoint and body, {"rid": ..., "abort_all": false}): abort one
+        request by id -- also as an OpenAI response id, chatcmpl-<rid> / cmpl-<rid> -- or
+        all with abort_all. Each ends with the abort message (a stream: its last event)."""
         t: TokenizerManager = request.app.state.tokenizer_manager
         body = await read_json(request)
         if not isinstance(body, dict) or not (isinstance(body.get("rid"), str) or body.get("abort_all") is True):
             return error_response('Send {"rid": "<request id>"} or {"abort_all": true}.')
-        rids = list(t.rid_to_state) if body.get("abort_all") is True else [body["rid"]]
-        found = [rid for rid in rids if rid in t.rid_to_state]
+
+        def running(rid: str) -> bool:  # n > 1: the request's id names its group of samples
+            return rid in t.rid_to_state or rid in getattr(t, "sample_groups", {})
+
+        if body.get("abort_all") is True:
+            rids = list(t.rid_to_state)
+        else:
+            rid = body["rid"]
+            rids = [next((r for r in (rid, rid.removeprefix("chatcmpl-"), rid.removeprefix("cmpl-"))
+                          if running(r)), rid)]
+        found = [rid for rid in rids if running(rid)]
         for rid in found:
             t.abort_request(rid, "Request aborted by an administrator (/abort_request).")
         if not found and body.get("abort_all") is not True:
@@ -140,9 +163,10 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
         out = await last_output_or_disconnect(request, t.generate_request(req))
         if out is None:
             return Response(status_code=499)  # client closed the connection
-        fr = out["meta_info"]["finish_reason"]
-        if fr is not None and fr["type"] == "abort":
-            return abort_error(fr)
+        for one in out if isinstance(out, list) else [out]:  # n > 1: a list of samples
+            fr = one["meta_info"]["finish_reason"]
+            if fr is not None and fr["type"] == "abort":
+                return abort_error(fr)
         return JSONResponse(out)
 
     @app.post("/v1/chat/completions")

@@ -7,15 +7,17 @@ top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, skip_special_token
 ebnf, choice (and json_schema for completions) and custom_params pass through, and
 custom_logit_processor goes to the native request's top level. ``response_format``
 json_schema / json_object / structural_tag become the json_schema / structural_tag
-constraint (json_object = the schema ``{"type": "object"}``, as in SGLang). Value ranges are checked
+constraint (json_object = the schema ``{"type": "object"}``, as in SGLang). vLLM's
+``structured_outputs`` / ``guided_*`` fields: vllm_dialect.py, which also resolves all of
+them into one constraint (two fields giving one: a 400 naming both). Value ranges are checked
 once, by SamplingParams, so both APIs return the same 400 messages.
 
 Unknown-field policy: requests are ``extra="forbid"``, so a misspelt or unknown field is a
 400 naming it. Common OpenAI fields we do not implement are declared explicitly and
  - ignored when they cannot change the generated text (``user``, ``metadata``, ``store``,
-   ``service_tier``, ``parallel_tool_calls``, ``stream_options.include_obfuscation``);
+   ``service_tier``, ``stream_options.include_obfuscation``);
  - accepted at their neutral value and rejected with "<field> is not supported" otherwise
-   (``n``, ``logprobs``, ``tools``, ``echo``, ...). We never silently
+   (``n``, ``logprobs``, ``echo``, ...). We never silently
    ignore something that would change the output.
 """
 from __future__ import annotations
@@ -27,17 +29,17 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from srt.entrypoints.vllm_dialect import VllmDialectFields, request_constraint
+from srt.function_call.protocol import DeltaToolCall, ToolCall
+from srt.function_call.tools import check_tool_choice, check_tools
+from sampling.logprobs import MAX_TOP_LOGPROBS
 from srt.managers.generate_input import GenerateReqInput
 
 # field -> predicate telling that its value is neutral (behaves as if absent).
 _NEUTRAL = {
-    "logprobs": lambda v: not v,
-    "top_logprobs": lambda v: not v,
     "best_of": lambda v: v in (None, 1),
     "echo": lambda v: not v,
     "suffix": lambda v: not v,
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none", "auto"),
     "modalities": lambda v: v in (None, ["text"]),
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
@@ -47,7 +49,7 @@ _NEUTRAL = {
 # Request fields passed to SamplingParams under the same name when set.
 _SAME_NAME = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
               "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
-              "regex", "ebnf", "choice", "json_schema", "custom_params")
+              "custom_params")  # constraints: vllm_dialect.request_constraint
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 
 
@@ -57,8 +59,8 @@ class StreamOptions(BaseModel):
     include_obfuscation: Optional[bool] = None  # ignored: we add no padding field
 
 
-class _SamplingRequest(BaseModel):
-    """Fields shared by chat and text completions."""
+class _SamplingRequest(VllmDialectFields):
+    """Fields shared by chat and text completions (vLLM's constraint fields: the base)."""
 
     model_config = ConfigDict(extra="forbid")
     model: Optional[str] = None  # any name is accepted (SGLang); responses echo it
@@ -89,18 +91,16 @@ class _SamplingRequest(BaseModel):
     custom_logit_processor: Optional[str] = None  # CustomLogitProcessor.to_str()
     custom_params: Optional[dict[str, Any]] = None
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"n must be 1 (several choices per request are not supported), got {v}")
-        return v
-
     @field_validator("response_format")
     @classmethod
     def _known_response_format(cls, v: Optional[dict]) -> Optional[dict]:
         response_format_constraint(v)  # raises with the reason
         return v
+
+    @model_validator(mode="after")
+    def _one_constraint(self):  # both dialects, checked before any prompt work
+        request_constraint(self, response_format_constraint(self.response_format))
+        return self
 
     @model_validator(mode="after")
     def _reject_unsupported(self):
@@ -112,24 +112,24 @@ class _SamplingRequest(BaseModel):
     def to_sampling_params(self, max_new_tokens: Optional[int]) -> dict:
         """Our SamplingParams dict; ``max_new_tokens=None`` means up to the context."""
         d: dict[str, Any] = {"max_new_tokens": max_new_tokens, "ignore_eos": self.ignore_eos,
-                             "skip_special_tokens": self.skip_special_tokens}
+                             "skip_special_tokens": self.skip_special_tokens, "n": self.n}
         if self.min_tokens is not None:
             d["min_new_tokens"] = self.min_tokens
         for name in _SAME_NAME:
             if getattr(self, name, None) is not None:
                 d[name] = getattr(self, name)
-        constraint = response_format_constraint(self.response_format)
-        if constraint is not None:
-            kind, spec = constraint
-            if kind in d:
-                raise ValueError(f"response_format and {kind} both give a constraint: use one.")
-            d[kind] = spec
+        d.update(request_constraint(self, response_format_constraint(self.response_format)))
         return d
 
     def generate_input(self, rid: str, **prompt) -> GenerateReqInput:
         """The native request (``prompt``: text= or input_ids=) this request maps to."""
         return GenerateReqInput(**prompt, sampling_params=self.sampling_params(), stream=self.stream,
-                                rid=rid, custom_logit_processor=self.custom_logit_processor)
+                                rid=rid, custom_logit_processor=self.custom_logit_processor,
+                                **self.logprob_fields())
+
+    def logprob_fields(self) -> dict:
+        """The native logprob fields this request asks for."""
+        return {}
 
     @property
     def include_usage(self) -> bool:
@@ -161,7 +161,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=0)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
@@ -172,6 +172,16 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
+
+    @field_validator("tools")
+    @classmethod
+    def _valid_tools(cls, v):
+        return check_tools(v)  # srt/function_call/tools.py
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _valid_tool_choice(cls, v, info):
+        return check_tool_choice(v, info.data["tools"]) if "tools" in info.data else v
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -194,13 +204,24 @@ class ChatCompletionRequest(_SamplingRequest):
         mx = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.to_sampling_params(mx)
 
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true.")
+        return self
+
+    def logprob_fields(self) -> dict:
+        if not self.logprobs:
+            return {}
+        return {"return_logprob": True, "top_logprobs_num": self.top_logprobs or 0}
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     json_schema: Optional[Union[str, dict[str, Any]]] = None  # SGLang extra (completions only)
 
     def single_prompt(self) -> Union[str, list[int]]:
@@ -210,6 +231,11 @@ class CompletionRequest(_SamplingRequest):
                 raise ValueError("Batched prompts are not supported: send one prompt per request.")
             p = p[0]
         return p
+
+    def logprob_fields(self) -> dict:
+        if self.logprobs is None:
+            return {}
+        return {"return_logprob": True, "top_logprobs_num": self.logprobs}
 
     def sampling_params(self) -> dict:
         # Completions default to 16 tokens in OpenAI's API (chat defaults to the context).
@@ -257,12 +283,34 @@ class UsageInfo(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     matched_stop: Optional[Union[int, str]] = None  # SGLang extension
 
@@ -279,12 +327,13 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
     content: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
+    tool_calls: Optional[list[DeltaToolCall]] = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     matched_stop: Optional[Union[int, str]] = None
 
@@ -301,7 +350,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     matched_stop: Optional[Union[int, str]] = None
 

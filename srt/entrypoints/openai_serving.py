@@ -7,6 +7,7 @@ import contextlib
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
@@ -15,11 +16,13 @@ from pydantic import ValidationError
 
 from srt.entrypoints.openai_protocol import (
     ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionStreamChoice, ChatMessageOut, CompletionChoice, CompletionRequest,
-    CompletionResponse, DeltaMessage, PromptTokensDetails, UsageInfo, error_body, validation_error_message,
+    ChatCompletionStreamChoice, ChatMessageOut, DeltaMessage, PromptTokensDetails, UsageInfo, error_body, validation_error_message,
 )
 from srt.entrypoints.json_body import parse_json_body
+from srt.entrypoints.openai_logprobs import TokenTexts, chat_logprobs
+from srt.function_call.serving import ToolCalling
 from srt.managers.generate_input import check_fits_context
+from srt.managers.samples import combine_usage
 from srt.managers.tokenizer_manager import TokenizerManager
 from srt.security.http_guard import read_body_limited
 from srt.tokenizer_utils import apply_chat_template
@@ -87,10 +90,24 @@ def abort_error(finish_reason: dict) -> JSONResponse:
                           finish_reason.get("status_code") or 500)
 
 
-def _usage(meta: dict) -> UsageInfo:
+def _usage(meta: dict) -> UsageInfo:  # one output's meta_info, or combine_usage's counts
     p, c = meta["prompt_tokens"], meta["completion_tokens"]
     return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=meta.get("cached_tokens", 0)))
+
+
+def usage_of(outs: list[dict]) -> UsageInfo:
+    """Usage of a request's outputs (n > 1: the prompt once, every sample's completion)."""
+    return _usage(combine_usage(outs))
+
+
+@dataclass
+class ChoiceStream:
+    """What one streamed choice has sent so far."""
+
+    tools: Any  # its tool-call stream parser
+    sent: str = ""
+    logprobs_sent: int = 0
 
 
 def _finish(fr: Optional[dict]) -> tuple[Optional[str], Any]:
@@ -104,6 +121,7 @@ class OpenAIServing:
     def __init__(self, tokenizer_manager: TokenizerManager, served_model_name: str):
         self.tm = tokenizer_manager
         self.served_model_name = served_model_name
+        self.token_texts = TokenTexts(tokenizer_manager.tokenizer)  # for logprobs
 
     async def _parse(self, request: Request, model_cls):
         """Parse and validate; a user error comes back as a 400 JSONResponse."""
@@ -121,10 +139,12 @@ class OpenAIServing:
         out = await last_output_or_disconnect(request, self.tm.generate_request(req))
         if out is None:
             return None, Response(status_code=499)  # nobody is listening any more
-        fr = out["meta_info"]["finish_reason"]
-        if fr and fr["type"] == "abort":
-            return None, abort_error(fr)
-        return out, None
+        outs = out if isinstance(out, list) else [out]  # n > 1: one output per sample
+        for one in outs:
+            fr = one["meta_info"]["finish_reason"]
+            if fr and fr["type"] == "abort":
+                return None, abort_error(fr)
+        return outs, None
 
     async def chat_completions(self, request: Request) -> Response:
         body, err = await self._parse(request, ChatCompletionRequest)
@@ -132,110 +152,90 @@ class OpenAIServing:
             return err
         try:
             messages = [m.for_template() for m in body.messages]
+            tools, messages, tool_kwargs = ToolCalling.prepare(body, messages, self.tm.tokenizer, self.tm.server_args)
             chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
             check_fits_context(chars, self.tm.context_len, self.tm.max_token_chars)
             ids = await self.tm.run_offloop(chars, apply_chat_template, self.tm.tokenizer, messages,
-                                            **(body.chat_template_kwargs or {}))
+                                            **(body.chat_template_kwargs or {}), **tool_kwargs)
             obj = body.generate_input(uuid.uuid4().hex, input_ids=ids)
+            tools.constrain(obj.sampling_params)  # the tool-call grammar (srt/function_call)
             obj.require_reasoning = body.requires_reasoning(self.tm.server_args.reasoning_parser)
             req = self.tm.prepare_request(obj)
         except ValueError as e:
-            return error_response(str(e))
+            return error_response(str(e), param=getattr(e, "param", None))
         model = body.model or self.served_model_name
         if body.stream:
-            return StreamingResponse(self._chat_stream(req, model, body.include_usage),
+            return StreamingResponse(self._chat_stream(req, model, body.include_usage, tools, bool(body.logprobs)),
                                      media_type="text/event-stream")
-        out, err = await self._final_output(request, req)
+        outs, err = await self._final_output(request, req)
         if err is not None:
             return err
-        meta = out["meta_info"]
-        reason, matched = _finish(meta["finish_reason"])
-        resp = ChatCompletionResponse(
-            id=f"chatcmpl-{req.rid}", model=model, usage=_usage(meta),
-            choices=[ChatCompletionChoice(message=ChatMessageOut(content=out["text"]),
-                                          finish_reason=reason, matched_stop=matched)],
-        )
+        choices = []
+        for i, out in enumerate(outs):
+            meta = out["meta_info"]
+            reason, matched = _finish(meta["finish_reason"])
+            message, reason = tools.message(out["text"], reason)
+            logprobs = chat_logprobs(meta, out["output_ids"], self.token_texts) if body.logprobs else None
+            choices.append(ChatCompletionChoice(index=i, message=ChatMessageOut(**message), logprobs=logprobs,
+                                                finish_reason=reason, matched_stop=matched))
+        resp = ChatCompletionResponse(id=f"chatcmpl-{req.rid}", model=model, usage=usage_of(outs), choices=choices)
         return JSONResponse(resp.model_dump())
 
-    async def _chat_stream(self, req, model: str, include_usage: bool) -> AsyncIterator[str]:
+    async def _chat_stream(self, req, model: str, include_usage: bool, tools, want_logprobs: bool
+                           ) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(delta: DeltaMessage, reason=None, matched=None) -> str:
+        def chunk(delta: DeltaMessage, reason=None, matched=None, index: int = 0, logprobs=None) -> str:
             return sse(ChatCompletionChunk(
                 id=f"chatcmpl-{req.rid}", created=created, model=model,
-                choices=[ChatCompletionStreamChoice(delta=delta, finish_reason=reason, matched_stop=matched)],
+                choices=[ChatCompletionStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                                    finish_reason=reason, matched_stop=matched)],
             ))
 
-        yield chunk(DeltaMessage(role="assistant", content=""))
-        async for event in errors_as_events(self._chat_events(req, chunk, created, model, include_usage)):
+        for i in range(req.sampling_params.n):
+            yield chunk(DeltaMessage(role="assistant", content=""), index=i)
+        events = self._chat_events(req, chunk, created, model, include_usage, tools, want_logprobs)
+        async for event in errors_as_events(events):
             yield event
         yield SSE_DONE
 
-    async def _chat_events(self, req, chunk, created: int, model: str, include_usage: bool):
-        sent, last = "", None
+    async def _chat_events(self, req, chunk, created: int, model: str, include_usage: bool, tools,
+                           want_logprobs: bool):
+        n = req.sampling_params.n
+        streams = [ChoiceStream(tools.stream()) for _ in range(n)]  # one parser per choice
+        finals: dict[int, dict] = {}
         async with contextlib.aclosing(self.tm.generate_request(req)) as outputs:
             async for out in outputs:
-                last, fr = out, out["meta_info"]["finish_reason"]
+                i = out.get("index", 0)
+                st, fr = streams[i], out["meta_info"]["finish_reason"]
                 if fr is not None and fr["type"] == "abort":
                     yield sse(error_body(fr.get("message") or "Request aborted.", fr.get("status_code") or 500))
                     break
-                if len(out["text"]) > len(sent):
-                    yield chunk(DeltaMessage(content=out["text"][len(sent):]))
-                    sent = out["text"]
+                logprobs = None
+                if want_logprobs:
+                    logprobs = chat_logprobs(out["meta_info"], out["output_ids"], self.token_texts, st.logprobs_sent)
+                    st.logprobs_sent += len(logprobs.content)
+                    logprobs = logprobs if logprobs.content else None
+                deltas = []
+                if len(out["text"]) > len(st.sent):
+                    deltas = list(st.tools.deltas(out["text"][len(st.sent):]))  # content and tool-call deltas
+                    st.sent = out["text"]
+                if logprobs is not None and not deltas:
+                    deltas = [{"content": ""}]  # logprobs of tokens whose text is held back
+                for k, delta in enumerate(deltas):
+                    yield chunk(DeltaMessage(**delta), index=i, logprobs=logprobs if k == 0 else None)
                 if fr is not None:
-                    yield chunk(DeltaMessage(), *_finish(fr))
-                    if include_usage:
-                        yield sse(ChatCompletionChunk(id=f"chatcmpl-{req.rid}", created=created, model=model,
-                                                      choices=[], usage=_usage(last["meta_info"])))
+                    finals[i] = out
+                    reason, matched = _finish(fr)
+                    last_deltas, reason = st.tools.finish(reason)
+                    for delta in last_deltas:
+                        yield chunk(DeltaMessage(**delta), index=i)
+                    yield chunk(DeltaMessage(), reason, matched, index=i)
+        if include_usage and len(finals) == n:
+            yield sse(ChatCompletionChunk(id=f"chatcmpl-{req.rid}", created=created, model=model,
+                                          choices=[], usage=usage_of([finals[i] for i in range(n)])))
 
     async def completions(self, request: Request) -> Response:
-        body, err = await self._parse(request, CompletionRequest)
-        if err is not None:
-            return err
-        try:
-            prompt = body.single_prompt()
-            kind = "text" if isinstance(prompt, str) else "input_ids"
-            obj = body.generate_input(uuid.uuid4().hex, **{kind: prompt})
-            req = await self.tm.prepare_request_async(obj)
-        except ValueError as e:
-            return error_response(str(e))
-        model = body.model or self.served_model_name
-        if body.stream:
-            return StreamingResponse(self._completion_stream(req, model, body.include_usage),
-                                     media_type="text/event-stream")
-        out, err = await self._final_output(request, req)
-        if err is not None:
-            return err
-        meta = out["meta_info"]
-        reason, matched = _finish(meta["finish_reason"])
-        resp = CompletionResponse(
-            id=f"cmpl-{req.rid}", model=model, usage=_usage(meta),
-            choices=[CompletionChoice(text=out["text"], finish_reason=reason, matched_stop=matched)],
-        )
-        return JSONResponse(resp.model_dump())
+        from srt.entrypoints.openai_completions import serve_completions
 
-    async def _completion_stream(self, req, model: str, include_usage: bool) -> AsyncIterator[str]:
-        created = int(time.time())
-
-        def chunk(text: str, reason=None, matched=None, usage=None, choices=True) -> str:
-            ch = [CompletionChoice(text=text, finish_reason=reason, matched_stop=matched)] if choices else []
-            return sse(CompletionResponse(id=f"cmpl-{req.rid}", created=created, model=model,
-                                          choices=ch, usage=usage))
-
-        async def events():
-            sent = ""
-            async with contextlib.aclosing(self.tm.generate_request(req)) as outputs:
-                async for out in outputs:
-                    fr = out["meta_info"]["finish_reason"]
-                    if fr is not None and fr["type"] == "abort":
-                        yield sse(error_body(fr.get("message") or "Request aborted.", fr.get("status_code") or 500))
-                        break
-                    delta, sent = out["text"][len(sent):], out["text"]
-                    if delta or fr is not None:
-                        yield chunk(delta, *_finish(fr))
-                    if fr is not None and include_usage:
-                        yield chunk("", usage=_usage(out["meta_info"]), choices=False)
-
-        async for event in errors_as_events(events()):
-            yield event
-        yield SSE_DONE
+        return await serve_completions(self, request)

@@ -34,10 +34,17 @@ class DPDispatcher:
         self.max_tree_tokens = max_tree_tokens
         self.trees = ([RadixCache(lambda slots: None, "cpu") for _ in range(dp_size)]
                       if method == "prefix_aware" else [])
+        self.groups: dict[str, tuple[int, int]] = {}  # group -> (its DP group, requests in flight)
         self.prefix_routed = 0  # requests sent where their prefix was (for metrics and tests)
 
-    def pick(self, token_ids: Optional[Sequence[int]] = None) -> int:
-        """The group for the next request; counts it as in flight there."""
+    def pick(self, token_ids: Optional[Sequence[int]] = None, group: Optional[str] = None) -> int:
+        """The group for the next request; counts it as in flight there. Requests with the
+        same ``group`` (the samples of one prompt) go where its first one went."""
+        if group is not None and group in self.groups:
+            dp, count = self.groups[group]
+            self.groups[group] = (dp, count + 1)
+            self.in_flight[dp] += 1
+            return dp
         if self.method == "round_robin":
             dp = self._next
             self._next = (self._next + 1) % len(self.in_flight)
@@ -46,6 +53,8 @@ class DPDispatcher:
         else:
             dp = self._shortest()
         self.in_flight[dp] += 1
+        if group is not None:
+            self.groups[group] = (dp, 1)
         return dp
 
     def _shortest(self) -> int:  # fewest in flight; ties go to the lowest group
@@ -67,5 +76,11 @@ class DPDispatcher:
             tree.evict(tree.total_size() - self.max_tree_tokens)
         return dp
 
-    def done(self, dp: int) -> None:
+    def done(self, dp: int, group: Optional[str] = None) -> None:
         self.in_flight[dp] -= 1
+        if group is not None and group in self.groups:
+            dp, count = self.groups[group]
+            if count > 1:
+                self.groups[group] = (dp, count - 1)
+            else:
+                del self.groups[group]

@@ -11,7 +11,8 @@ from typing import Any, Mapping, Optional
 from constrained.grammar_manager import DISABLED_MESSAGE
 from sampling.custom_logit_processor import validate_custom_logit_processor
 from sampling.sampling_params import SamplingParams
-from srt.managers.io_struct import SchedulerInfo, TokenizedGenerateReq
+from sampling.logprobs import MAX_TOP_LOGPROBS
+from srt.managers.io_struct import LogprobRequest, SchedulerInfo, TokenizedGenerateReq
 
 
 @dataclass
@@ -32,6 +33,12 @@ class GenerateReqInput:
     custom_logit_processor: Optional[str] = None
     # Thinking models (--reasoning-parser): the constraint starts after the think end.
     require_reasoning: bool = False
+    # Logprobs (SGLang's names): of the output tokens, their top alternatives, and the
+    # prompt's from logprob_start_len on (-1: none of the prompt's).
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
 
     @classmethod
     def from_dict(cls, d: Any) -> "GenerateReqInput":
@@ -42,12 +49,16 @@ class GenerateReqInput:
         if unknown:
             raise ValueError(f"Unknown field(s) in request: {', '.join(unknown)}")
         checks = {"text": str, "sampling_params": Mapping, "stream": bool, "rid": str,
-                  "custom_logit_processor": str, "require_reasoning": bool}
+                  "custom_logit_processor": str, "require_reasoning": bool,
+                  "return_logprob": bool, "return_text_in_logprobs": bool}
         for name, typ in checks.items():
             if d.get(name) is not None and not isinstance(d[name], typ):
                 if name in ("text", "rid") and isinstance(d[name], list):
                     raise ValueError(f"Batched requests are not supported: {name} must be a single string.")
                 raise ValueError(f"{name} must be a {typ.__name__.lower()}, got {d[name]!r}")
+        for name in ("logprob_start_len", "top_logprobs_num"):
+            if d.get(name) is not None and not _is_int(d[name]):
+                raise ValueError(f"{name} must be an integer, got {d[name]!r}")
         ids = d.get("input_ids")
         if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
             raise ValueError("input_ids must be a list of integers (batched requests are not supported).")
@@ -123,7 +134,24 @@ def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
         )
     rid = obj.rid if obj.rid is not None else uuid.uuid4().hex
     return TokenizedGenerateReq(rid, tuple(input_ids), params, bool(obj.stream),
-                                require_reasoning=bool(obj.require_reasoning))
+                                require_reasoning=bool(obj.require_reasoning),
+                                logprobs=logprob_request(obj, n))
+
+
+def logprob_request(obj: GenerateReqInput, prompt_len: int) -> Optional[LogprobRequest]:
+    """The request's logprob fields, checked; None when no logprobs are asked for."""
+    if not 0 <= obj.top_logprobs_num <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {obj.top_logprobs_num}.")
+    if not -1 <= obj.logprob_start_len < prompt_len:
+        raise ValueError(f"logprob_start_len must be -1 (output tokens only) or a prompt position "
+                         f"in [0, {prompt_len - 1}] (the prompt has {prompt_len} tokens), "
+                         f"got {obj.logprob_start_len}.")
+    if not obj.return_logprob:
+        if obj.top_logprobs_num or obj.logprob_start_len != -1 or obj.return_text_in_logprobs:
+            raise ValueError("top_logprobs_num, logprob_start_len and return_text_in_logprobs "
+                             "need return_logprob: true.")
+        return None
+    return LogprobRequest(obj.top_logprobs_num, obj.logprob_start_len, obj.return_text_in_logprobs)
 
 
 def check_fits_context(num_chars: int, context_len: int, max_token_chars: int) -> None:

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from sampling.sampling_params import SamplingParams
 from srt.managers.wire import MessageCodec
+from srt.metrics.messages import SchedulerMetrics  # --enable-metrics: entry rank -> frontend
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,25 @@ class FinishReason:
 
 
 @dataclass(frozen=True)
+class LogprobRequest:
+    """What logprobs a request wants (SGLang's native fields). ``start_len`` >= 0 also asks
+    for the prompt's logprobs from that position on; -1: output tokens only."""
+
+    top_n: int = 0  # top alternatives per position (0: only the chosen token's)
+    start_len: int = -1
+    with_text: bool = False  # the frontend adds each token's text (return_text_in_logprobs)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs of some consecutive tokens: each token's own (None where nothing precedes
+    it: the prompt's first token) and, when asked, its top alternatives as (id, logprob)."""
+
+    token_logprobs: tuple[Optional[float], ...] = ()
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenizedGenerateReq:
     rid: str
     input_ids: tuple[int, ...]
@@ -38,6 +58,10 @@ class TokenizedGenerateReq:
     stream: bool = False
     # Thinking models: the constraint starts after the think-end token (--reasoning-parser).
     require_reasoning: bool = False
+    logprobs: Optional[LogprobRequest] = None  # None: no logprobs asked
+    # Samples of one prompt (``n`` > 1) share this key: the scheduler prefills the prompt
+    # once and the other samples take it from the radix cache.
+    prefix_group: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +90,10 @@ class BatchTokenOut:
     cached_tokens: tuple[int, ...] = ()  # prompt tokens served from the radix cache
     # Output tokens so far that grammar fast-forward appended without a decode step each.
     fast_forward_tokens: tuple[int, ...] = ()
+    # Requests that asked for logprobs: those of new_token_ids[i], and the prompt's (sent
+    # once, with the first message after the prompt was prefilled); None where not asked.
+    output_logprobs: tuple[Optional[TokenLogprobs], ...] = ()
+    input_logprobs: tuple[Optional[TokenLogprobs], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -153,5 +181,5 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 # What each socket accepts; anything else is dropped and counted (wire.py).
 SCHEDULER_INPUT_CODEC = MessageCodec(TokenizedGenerateReq, AbortReq, FlushCacheReq)
-FRONTEND_INPUT_CODEC = MessageCodec(BatchTokenOut, FlushCacheOut)
+FRONTEND_INPUT_CODEC = MessageCodec(BatchTokenOut, FlushCacheOut, SchedulerMetrics)
 READY_CODEC = MessageCodec(RankReady)

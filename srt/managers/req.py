@@ -5,12 +5,13 @@ import time
 from typing import Optional
 
 from sampling.sampling_params import SamplingParams
-from srt.managers.io_struct import FinishReason
+from srt.managers.io_struct import FinishReason, LogprobRequest
 
 
 class Req:
     def __init__(self, rid: str, input_ids: tuple[int, ...], params: SamplingParams,
-                 stream: bool, eos_token_ids: frozenset[int], require_reasoning: bool = False):
+                 stream: bool, eos_token_ids: frozenset[int], require_reasoning: bool = False,
+                 logprobs: Optional[LogprobRequest] = None, prefix_group: Optional[str] = None):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
         self.sampling_params = params
@@ -42,6 +43,25 @@ class Req:
         self.grammar_future = None  # Future while waiting in the grammar queue
         self.grammar_wait_ct = 0  # scheduler polls spent waiting (identical on every rank)
         self.fast_forward_tokens = 0  # output tokens the grammar forced (no decode step each)
+        # Logprobs (entry rank only fills them): one entry per output token, and the
+        # prompt's from logprobs.start_len on, computed while it is prefilled.
+        self.logprobs = logprobs
+        self.output_token_logprobs: list[float] = []
+        self.output_top_logprobs: list[tuple[tuple[int, float], ...]] = []
+        self.input_token_logprobs: list[Optional[float]] = []
+        self.input_top_logprobs: list[tuple[tuple[int, float], ...]] = []
+        self.input_logprobs_done = logprobs is None or logprobs.start_len < 0
+        self.input_logprobs_sent = self.input_logprobs_done
+        self.prefix_group = prefix_group  # samples of one prompt (n > 1)
+
+    @property
+    def return_logprob(self) -> bool:
+        return self.logprobs is not None
+
+    @property
+    def logprob_start(self) -> int:
+        """First prompt position whose logprob is returned (clamped to the prompt)."""
+        return min(self.logprobs.start_len, len(self.origin_input_ids) - 1)
 
     @property
     def uncomputed_tokens(self) -> int:

@@ -41,11 +41,14 @@ class KVCacheManager:
     # ---- the prefix cache -------------------------------------------------------------
     def lock_prefix(self, req: Req) -> int:
         """A waiting request (no KV yet) takes the longest cached prefix of its tokens
-        (leaving at least one to compute, for its logits) and locks it. Returns how many
+        (leaving at least one to compute, for its logits; for prompt logprobs, every
+        position they need) and locks it. Returns how many
         tokens stopped being evictable because of this lock."""
         if self.tree is None or req.req_pool_idx is not None:
             return 0
-        slots, node = self.tree.match_prefix(req.fill_ids[:-1])
+        # Prompt logprobs from position k need the logits of position k - 1: compute it.
+        end = -1 if req.input_logprobs_done else max(req.logprob_start - 1, 0)
+        slots, node = self.tree.match_prefix(req.fill_ids[:end])
         req.prefix_slots, req.last_node = slots, node
         if req.cached_tokens is None:  # first admission: what the user is told was cached
             req.cached_tokens = min(len(slots), len(req.origin_input_ids))

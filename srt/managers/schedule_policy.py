@@ -16,7 +16,8 @@ class PrefillAdder:
     """
 
     def __init__(self, running: list[Req], available_tokens: int, max_running: int,
-                 max_prefill_tokens: int, clip_new_tokens: int, chunk_size: Optional[int] = None):
+                 max_prefill_tokens: int, clip_new_tokens: int, chunk_size: Optional[int] = None,
+                 share_prompts: bool = False):
         self.available = available_tokens
         self.slots = max_running - len(running)
         self.max_prefill_tokens = max_prefill_tokens
@@ -24,6 +25,7 @@ class PrefillAdder:
         self.clip = clip_new_tokens
         self.reserved = sum(min(r.remaining_new_tokens(), clip_new_tokens) for r in running)
         self.busy = bool(running)
+        self.share_prompts = share_prompts
 
     def select(self, waiting: deque[Req], lock_prefix: Callable[[Req], int] = lambda r: 0,
                unlock_prefix: Callable[[Req], None] = lambda r: None) -> list[Req]:
@@ -38,6 +40,12 @@ class PrefillAdder:
             newly_locked = lock_prefix(req)
             self.available -= newly_locked
             extend = req.seqlen - _computed_len(req)
+            if self.shares_prompt_with(picked, req, extend):
+                unlock_prefix(req)  # next step it finds the prompt in the radix cache
+                self.available += newly_locked
+                if not req.output_ids:
+                    req.cached_tokens = None  # not admitted: measured again next step
+                break
             # This step's share: all of it, or what is left of the chunk budget.
             step = extend if self.chunk_size is None else min(extend, self.chunk_size - extend_tokens)
             # The whole rest is reserved even when chunked, as it would be unchunked.
@@ -58,6 +66,13 @@ class PrefillAdder:
             if req.extend_limit is not None:
                 break  # a chunked request is always the batch's last
         return picked
+
+    def shares_prompt_with(self, picked: list[Req], req: Req, extend: int) -> bool:
+        """Is ``req`` another sample (``n`` > 1) of a prompt this batch prefills, with more
+        than its last token still to compute? Then it waits one step and reuses the
+        prompt's KV (only with the radix cache: ``share_prompts``)."""
+        return (self.share_prompts and req.prefix_group is not None and extend > 1
+                and any(p.prefix_group == req.prefix_group for p in picked))
 
 
 def _computed_len(req: Req) -> int:

@@ -24,6 +24,8 @@ from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
 from srt.forward_batch import ForwardMode
 from srt.managers.batch_log import BatchLog
+from srt.managers.logprob_tracker import (logprob_rows, plan_prompt_logprobs, record_output_logprobs,
+                                          record_prompt_logprobs, take_logprob_deltas)
 from srt.managers.io_struct import (AbortReq, BatchTokenOut, FinishReason, FlushCacheOut, FlushCacheReq,
                                    TokenizedGenerateReq)
 from srt.managers.req import Req
@@ -31,6 +33,7 @@ from srt.managers.schedule_batch import KVCacheManager
 from srt.managers.schedule_policy import PrefillAdder
 from srt.managers.step_stats import StepStats
 from srt.mem_cache.radix_cache import RadixCache
+from srt.metrics.scheduler_reporter import SchedulerMetricsReporter
 from srt.model_config import ModelConfig
 from srt.model_runner import ModelRunner
 from srt.server_args import ServerArgs
@@ -90,6 +93,8 @@ class Scheduler:
         # sample differed from the agreed one. Expected to stay 0; measured, not assumed.
         self.token_agreement_steps = self.token_mismatches = 0
         self.step_stats = StepStats()  # per-phase seconds, for the benchmark breakdown
+        # --enable-metrics, entry rank only: throttled SchedulerMetrics to the frontend.
+        self.metrics_reporter = SchedulerMetricsReporter.create(server_args, rank_info)
 
     def grammar_manager_kwargs(self) -> dict:
         """What a GrammarManager of this rank needs from the runtime (also for benchmarks
@@ -121,7 +126,8 @@ class Scheduler:
         params = m.sampling_params
         if n + params.max_new_tokens > ctx:  # clip like SGLang: never run past the context
             params = dataclasses.replace(params, max_new_tokens=max(ctx - n, 0))
-        req = Req(m.rid, m.input_ids, params, m.stream, self.eos_ids, m.require_reasoning)
+        req = Req(m.rid, m.input_ids, params, m.stream, self.eos_ids, m.require_reasoning,
+                  m.logprobs, m.prefix_group)
         error = self._validate(req)
         if error is not None:
             req.finished_reason = FinishReason("abort", message=error, status_code=400)
@@ -199,7 +205,11 @@ class Scheduler:
         if batch is None:
             return control + self._make_outputs(touched)
         mode, reqs = batch
+        if self.metrics_reporter is not None:
+            self.metrics_reporter.before_batch(mode is ForwardMode.EXTEND, reqs)
         timed = self._run_batch(mode, reqs)
+        if self.metrics_reporter is not None:
+            self.metrics_reporter.after_batch(reqs)
         outputs = control + self._make_outputs(touched + reqs)
         times = self.step_stats.mode(mode.name)
         times.steps += 1
@@ -225,7 +235,7 @@ class Scheduler:
         adder = PrefillAdder(self.running, self.kv.available_tokens(),
                              self.server_args.max_running_requests,
                              self.server_args.max_prefill_tokens, self.clip_new_tokens,
-                             self.chunk_size)
+                             self.chunk_size, share_prompts=self.kv.tree is not None)
         new_reqs = adder.select(self.waiting, self.kv.lock_prefix, self.kv.unlock_prefix)
         if new_reqs:
             for _ in new_reqs:
@@ -257,8 +267,11 @@ class Scheduler:
 
     def _run_batch(self, mode: ForwardMode, reqs: list[Req]) -> float:
         """Run one batch; returns the seconds it added to the forward/sampling/grammar phases."""
+        prompt_plan = []
         if mode is ForwardMode.EXTEND:
             fb = self.kv.prepare_extend(reqs)
+            fb.logit_rows, prompt_plan = plan_prompt_logprobs(reqs, fb.extend_seq_lens_cpu,
+                                                              fb.extend_prefix_lens_cpu)
             now = time.monotonic()
             for r in reqs:
                 r.first_scheduled_time = r.first_scheduled_time or now
@@ -272,6 +285,9 @@ class Scheduler:
         times = self.step_stats.mode(mode.name)
         t0 = time.perf_counter()
         logits = self.runner.forward(fb)
+        if prompt_plan:  # rows past the batch's last-per-sequence ones: prompt logprobs
+            record_prompt_logprobs(prompt_plan, logits[len(reqs):], self.rank_info.is_entry_rank)
+            logits = logits[:len(reqs)]
         if mode is ForwardMode.DECODE and fb.batch_size != len(reqs):
             # Fast-forwarded requests fed several rows: sample from each one's last row.
             logits = logits[torch.tensor(counts).cumsum(0) - 1]
@@ -293,7 +309,8 @@ class Scheduler:
         else:
             info = self.running_info
             assert info is not None and len(info) == len(reqs), "sampling state out of step"
-        next_ids = self.runner.sample(logits, info)
+        lp_rows = logprob_rows(reqs, self.rank_info.is_entry_rank)
+        next_ids, logprobs = self.runner.sample(logits, info, lp_rows)
         has_grammar = any(g is not None for g in info.grammars)
         if not self.tp.is_single and has_grammar:
             # Same decision on every rank (identical batch): grammars must see one token.
@@ -310,6 +327,7 @@ class Scheduler:
             self.mask_apply_seconds += info.mask_apply_seconds
             self.mask_steps += 1
         info.cumulate_output_tokens(next_ids)
+        record_output_logprobs(reqs, lp_rows, logprobs, next_ids)
         t3 = time.perf_counter()
         failed = info.take_failed_rows()
         forced_rows, forced_ids = [], []
@@ -321,7 +339,10 @@ class Scheduler:
                 failed[i] = None if message is None else (message, 500)
             if failed[i] is None:
                 r.check_finished(self.tokenizer)
-                if self.fast_forward and r.grammar is not None and rows_left > 0 and not r.finished:
+                # Forced tokens have no distribution of their own: no fast-forward for
+                # requests that asked for logprobs.
+                if (self.fast_forward and r.grammar is not None and rows_left > 0
+                        and not r.finished and not r.return_logprob):
                     forced, failed[i] = self._fast_forward(r, rows_left)
                     rows_left -= len(forced)
                     forced_rows += [i] * len(forced)
@@ -413,10 +434,14 @@ class Scheduler:
                   (r.stream and len(r.output_ids) - r.sent_len >= interval)]
         if not picked:
             return []
-        deltas = []
+        deltas, out_lps, in_lps = [], [], []
         for r in picked:
+            out_lp, in_lp = take_logprob_deltas(r)
+            out_lps.append(out_lp)
+            in_lps.append(in_lp)
             deltas.append(tuple(r.output_ids[r.sent_len:]))
             r.sent_len = len(r.output_ids)
+        any_lp = any(lp is not None for lp in out_lps)
         return [BatchTokenOut(
             rids=tuple(r.rid for r in picked),
             new_token_ids=tuple(deltas),
@@ -425,6 +450,8 @@ class Scheduler:
             completion_tokens=tuple(len(r.output_ids) for r in picked),
             cached_tokens=tuple(r.cached_tokens or 0 for r in picked),
             fast_forward_tokens=tuple(r.fast_forward_tokens for r in picked),
+            output_logprobs=tuple(out_lps) if any_lp else (),
+            input_logprobs=tuple(in_lps) if any_lp else (),
         )]
 
     # ---- loop ------------------------------------------------------------------------
@@ -437,6 +464,8 @@ class Scheduler:
             self.process_input_requests(recv(not self.has_work(), extra))
             for out in self.step():
                 send(out)
+            if self.metrics_reporter is not None:
+                self.metrics_reporter.maybe_send(self, send)
             if not self.has_work():
                 self.kv.check_idle_integrity()
 

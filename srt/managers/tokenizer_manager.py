@@ -16,6 +16,8 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 import zmq
 
 from srt.managers.detokenizer import DecodeState
+from srt.managers.logprob_output import LogprobAccumulator
+from srt.managers.samples import merge_samples, split_samples
 from srt.managers.dp_dispatch import DPDispatcher
 from srt.managers.generate_input import GenerateReqInput, prepare_request
 from srt.managers.io_struct import (
@@ -24,6 +26,8 @@ from srt.managers.io_struct import (
 )
 from srt.managers.wire import DropCounter, recv_message_async
 from srt.managers.zmq_transport import transport_for
+from srt.metrics.frontend import create_frontend_metrics
+from srt.metrics.messages import SchedulerMetrics
 from srt.tokenizer_utils import max_chars_per_token
 
 logger = logging.getLogger(__name__)
@@ -45,6 +49,8 @@ class _ReqState:
     fast_forward_tokens: int = 0
     finish_reason: Optional[FinishReason] = None
     dp_rank: int = 0  # the DP group serving it: aborts must go to the same group
+    logprobs: Optional[LogprobAccumulator] = None  # when the request asked for them
+    metrics: Any = None  # a RequestTimer (srt/metrics) with --enable-metrics
 
 
 class TokenizerManager:
@@ -76,8 +82,10 @@ class TokenizerManager:
         self._recv.setsockopt(zmq.RCVHWM, 0)
         self.recv_drops = DropCounter("frontend output socket")
         self.rid_to_state: dict[str, _ReqState] = {}
+        self.sample_groups: dict[str, list[str]] = {}  # n > 1: request id -> its samples' ids
         self._handle_task: Optional[asyncio.Task] = None
         self.num_aborted = 0  # requests this frontend aborted (client gone), for server info
+        self.metrics = create_frontend_metrics(server_args)  # None unless --enable-metrics
         # Set by the launcher so /health can report dead scheduler processes.
         self.scheduler_alive: Callable[[], bool] = lambda: True
 
@@ -101,7 +109,7 @@ class TokenizerManager:
         return req
 
     def check_new_rid(self, rid: str) -> None:
-        if rid in self.rid_to_state:
+        if rid in self.rid_to_state or rid in self.sample_groups:
             raise ValueError(f"Duplicate request id {rid!r}: it is still running.")
 
     async def prepare_request_async(self, obj: GenerateReqInput) -> TokenizedGenerateReq:
@@ -124,16 +132,24 @@ class TokenizerManager:
         """Yield output dicts (cumulative text/output_ids): one per received chunk when
         streaming, else one at the end. Closing the generator early aborts the request."""
         req = obj if isinstance(obj, TokenizedGenerateReq) else self.prepare_request(obj)
+        if req.sampling_params.n > 1:
+            async for out in self._generate_samples(req):
+                yield out
+            return
         if req.rid in self.rid_to_state:
             raise ValueError(f"Duplicate request id {req.rid!r}: it is still running.")
         self.start_handle_loop()
         p = req.sampling_params
         state = _ReqState(req, DecodeState(self.tokenizer, req.input_ids, p.stop, p.skip_special_tokens))
         state.prompt_tokens = len(req.input_ids)
-        state.dp_rank = self.dispatcher.pick(req.input_ids)
+        if req.logprobs is not None:
+            state.logprobs = LogprobAccumulator(req.logprobs, req.input_ids)
+        state.dp_rank = self.dispatcher.pick(req.input_ids, req.prefix_group)
         self.rid_to_state[req.rid] = state
         try:
             self._send(state.dp_rank, req)
+            if self.metrics is not None:
+                state.metrics = self.metrics.start_request(req)
             while True:
                 chunks = [await state.queue.get()]
                 while not state.queue.empty():  # coalesce when the consumer is slower
@@ -146,17 +162,42 @@ class TokenizerManager:
                     return
         finally:
             self.rid_to_state.pop(req.rid, None)
-            self.dispatcher.done(state.dp_rank)
+            self.dispatcher.done(state.dp_rank, req.prefix_group)
             if state.finish_reason is None:  # consumer went away (disconnect, cancel, error)
                 self.num_aborted += 1
+                if state.metrics is not None:
+                    state.metrics.on_client_abort()
                 with contextlib.suppress(zmq.ZMQError):  # already closed at shutdown
                     self._send(state.dp_rank, AbortReq(req.rid))
 
+    async def _generate_samples(self, req: TokenizedGenerateReq) -> AsyncIterator[Any]:
+        """n > 1 (samples.py): streaming yields each sample's outputs with its ``index``;
+        otherwise one list of the n final outputs, in index order."""
+        parts = split_samples(req)
+        for part in parts:
+            self.check_new_rid(part.rid)
+        self.sample_groups[req.rid] = [p.rid for p in parts]
+        try:
+            finals: dict[int, dict] = {}
+            async with contextlib.aclosing(merge_samples([self.generate_request(p) for p in parts])) as outs:
+                async for i, out in outs:
+                    out["index"] = i
+                    if req.stream:
+                        yield out
+                    elif out["meta_info"]["finish_reason"] is not None:
+                        finals[i] = out
+            if not req.stream:
+                yield [finals[i] for i in range(len(parts))]
+        finally:
+            self.sample_groups.pop(req.rid, None)
+
     def abort_request(self, rid: str, message: Optional[str] = None) -> None:
-        """Ask the scheduler to abort ``rid``; it answers with an abort finish reason."""
-        state = self.rid_to_state.get(rid)
-        if state is not None:
-            self._send(state.dp_rank, AbortReq(rid) if message is None else AbortReq(rid, message))
+        """Ask the scheduler to abort ``rid`` (every sample, for an n > 1 request); it
+        answers with an abort finish reason."""
+        for part in self.sample_groups.get(rid, [rid]):
+            state = self.rid_to_state.get(part)
+            if state is not None:
+                self._send(state.dp_rank, AbortReq(part) if message is None else AbortReq(part, message))
 
     async def flush_cache(self, timeout: float = 30.0) -> FlushCacheOut:
         """Ask every DP group to empty its radix cache; success only if all of them did."""
@@ -180,12 +221,14 @@ class TokenizerManager:
         self._sends[dp_rank].send(SCHEDULER_INPUT_CODEC.encode(msg), copy=False)
 
     def _apply(self, state: _ReqState, new_ids, reason, prompt_tokens, completion_tokens,
-               cached_tokens=0, fast_forward_tokens=0) -> None:
+               cached_tokens=0, fast_forward_tokens=0, output_logprobs=None, input_logprobs=None) -> None:
         new_ids = list(new_ids)
         state.output_ids.extend(new_ids)
         state.prompt_tokens, state.completion_tokens = prompt_tokens, completion_tokens
         state.cached_tokens = cached_tokens
         state.fast_forward_tokens = fast_forward_tokens
+        if state.logprobs is not None:
+            state.logprobs.add(output_logprobs, input_logprobs)
         text_ids = new_ids
         if reason is not None:
             state.finish_reason = reason
@@ -195,8 +238,7 @@ class TokenizerManager:
                 text_ids = new_ids[:-1]
         state.decode.add_tokens(text_ids, flush=reason is not None)
 
-    @staticmethod
-    def _make_output(state: _ReqState) -> dict:
+    def _make_output(self, state: _ReqState) -> dict:
         reason = state.finish_reason
         matched = reason.matched if reason is not None and isinstance(reason.matched, str) else None
         fr = None
@@ -204,7 +246,7 @@ class TokenizerManager:
             fr = reason.to_json()
             if reason.type == "abort":
                 fr["status_code"] = reason.status_code  # SGLang includes it too
-        return {
+        out = {
             "text": state.decode.visible_text(reason is not None, matched),
             "output_ids": list(state.output_ids),
             "meta_info": {
@@ -216,6 +258,9 @@ class TokenizerManager:
                 "finish_reason": fr,
             },
         }
+        if state.logprobs is not None:
+            out["meta_info"].update(state.logprobs.meta_info(state.output_ids, self.tokenizer))
+        return out
 
     # ---- receive loop -------------------------------------------------------------
     def start_handle_loop(self) -> None:
@@ -239,6 +284,10 @@ class TokenizerManager:
                 continue
             if out is None:  # not a valid message: dropped and counted
                 continue
+            if isinstance(out, SchedulerMetrics):  # a DP group's state (--enable-metrics)
+                if self.metrics is not None:
+                    self.metrics.on_scheduler_metrics(out)
+                continue
             if isinstance(out, FlushCacheOut):
                 waiter = self._flush_waiters.get(out.rid)
                 if waiter is not None and not waiter.done():
@@ -252,7 +301,12 @@ class TokenizerManager:
                         out.prompt_tokens[i], out.completion_tokens[i],
                         out.cached_tokens[i] if out.cached_tokens else 0,
                         out.fast_forward_tokens[i] if out.fast_forward_tokens else 0,
+                        out.output_logprobs[i] if out.output_logprobs else None,
+                        out.input_logprobs[i] if out.input_logprobs else None,
                     ))
+                    if state.metrics is not None:
+                        state.metrics.on_output(out.finished_reasons[i], out.prompt_tokens[i], out.completion_tokens[i],
+                                                out.cached_tokens[i] if out.cached_tokens else 0)
 
     @property
     def handle_task(self) -> Optional[asyncio.Task]:

@@ -130,8 +130,11 @@ class CausalLM(nn.Module):
         """float32 logits ``[B, vocab]`` (last new token per sequence) or ``[T, vocab]``."""
         h = self.model(fb)
         if fb.mode == ForwardMode.EXTEND and not fb.return_all_logits:
-            last = torch.tensor(fb.extend_seq_lens_cpu, device=h.device).cumsum(0) - 1
-            h = h[last]
+            if fb.logit_rows is not None:
+                rows = torch.tensor(fb.logit_rows, device=h.device)
+            else:
+                rows = torch.tensor(fb.extend_seq_lens_cpu, device=h.device).cumsum(0) - 1
+            h = h[rows]
         return self.lm_head(self.model.norm(h))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -16,7 +16,9 @@ from srt import environ
 
 # Endpoints that act on other users' requests or on server state (and expose its config).
 ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache", "/get_server_info"})
-OPEN_PATHS = frozenset({"/health"})
+# No key: liveness probes, and Prometheus scrapes (SGLang exempts /metrics too; it exists
+# only with --enable-metrics and shows counts, never prompts, outputs or keys).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 class RequestTooLarge(Exception):

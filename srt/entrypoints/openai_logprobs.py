@@ -1,0 +1,77 @@
+"""Native logprobs (meta_info ``[logprob, token_id, text]`` entries) in OpenAI's shapes:
+chat ``{"content": [{token, logprob, bytes, top_logprobs}]}`` and completions
+``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``.
+
+A token's ``bytes`` are its exact UTF-8 bytes (a piece of a multi-byte character too),
+read from xgrammar's decoded vocabulary, built once per tokenizer on first use.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from srt.entrypoints.openai_protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+
+
+class TokenTexts:
+    """Text and bytes of single tokens, for one tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._bytes: Optional[list[bytes]] = None
+
+    def text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def bytes(self, token_id: int) -> list[int]:
+        if self._bytes is None:
+            import xgrammar
+
+            self._bytes = [bytes(b) for b in xgrammar.TokenizerInfo.from_huggingface(self.tokenizer).decoded_vocab]
+        if 0 <= token_id < len(self._bytes) and self._bytes[token_id]:
+            return list(self._bytes[token_id])
+        return list(self.text(token_id).encode("utf-8"))
+
+
+def shown_entries(meta: dict, output_ids: list[int], start: int) -> tuple[list, list]:
+    """Output logprob entries ``start ..`` for the tokens the user sees: a matched stop
+    token at the end (hidden from the text) is left out."""
+    entries = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    end = len(entries)
+    fr = meta.get("finish_reason") or {}
+    matched = fr.get("matched")
+    if isinstance(matched, int) and not isinstance(matched, bool) and output_ids and output_ids[-1] == matched:
+        end = min(end, len(output_ids) - 1)
+    return entries[start:end], tops[start:end]
+
+
+def chat_logprobs(meta: dict, output_ids: list[int], texts: TokenTexts, start: int = 0) -> ChatLogprobs:
+    entries, tops = shown_entries(meta, output_ids, start)
+    content = []
+    for (lp, tok, _), top in zip(entries, tops):
+        content.append(ChatTokenLogprob(
+            token=texts.text(tok), logprob=_finite(lp), bytes=texts.bytes(tok),
+            top_logprobs=[TopLogprob(token=texts.text(t), logprob=_finite(v), bytes=texts.bytes(t))
+                          for v, t, _ in top]))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(meta: dict, output_ids: list[int], texts: TokenTexts, start: int = 0,
+                        text_offset: int = 0) -> CompletionLogprobs:
+    """``text_offset`` is where the first listed token's text starts in the choice's text."""
+    entries, tops = shown_entries(meta, output_ids, start)
+    out = CompletionLogprobs()
+    offset = text_offset
+    for (lp, tok, _), top in zip(entries, tops):
+        text = texts.text(tok)
+        out.tokens.append(text)
+        out.token_logprobs.append(_finite(lp))
+        out.top_logprobs.append({texts.text(t): _finite(v) for v, t, _ in top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def _finite(v: Any) -> float:
+    """JSON has no -inf: OpenAI clients expect a number (vLLM sends -9999.0)."""
+    return -9999.0 if v is None or v == float("-inf") else float(v)

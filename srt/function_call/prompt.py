@@ -1,0 +1,80 @@
+"""Tools and tool-call history into the chat template.
+
+A template that mentions ``tools`` (Qwen2.5, Hermes, Llama 3.1, ...) gets them natively:
+``tools=`` and the history's ``tool_calls`` (arguments parsed into objects, as vLLM
+passes them: templates write them with ``tojson``) and ``role: "tool"`` messages as they
+are. A template without tools (the embedded SmolLM2's) gets the default format as text:
+the format's system-prompt section listing the tools, assistant calls written into the
+assistant's content, and tool results as a user turn wrapped in the format's result
+tags (consecutive results share one turn). README "Tool calling" documents both.
+"""
+from __future__ import annotations
+
+import json
+
+from srt.function_call.formats import ToolCallFormat
+from srt.function_call.tools import ToolCallError, ToolRequest
+
+
+def template_supports_tools(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    return "tools" in str(template or "")
+
+
+def prepare_messages(messages: list[dict], req: ToolRequest, fmt: ToolCallFormat,
+                     native: bool) -> tuple[list[dict], dict]:
+    """(messages for the template, extra template kwargs) for one request."""
+    msgs = [_with_parsed_calls(m, i) for i, m in enumerate(messages)]
+    if native:
+        return msgs, ({"tools": list(req.shown)} if req.shown else {})
+    out: list[dict] = []
+    results_turn = None  # the user turn holding the latest run of tool results
+    for m in msgs:
+        if m["role"] == "tool":
+            result = f"{fmt.result_begin}{m.get('content', '')}{fmt.result_end}"
+            if results_turn is not None and out[-1] is results_turn:
+                results_turn["content"] += "\n" + result
+            else:
+                results_turn = {"role": "user", "content": result}
+                out.append(results_turn)
+            continue
+        m = dict(m)
+        calls = m.pop("tool_calls", None) or []
+        if calls:
+            texts = [fmt.render_call(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+            m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + texts)
+        out.append(m)
+    if req.shown:
+        section = fmt.render_tools(list(req.shown))
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{section}".lstrip()}
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out, {}
+
+
+def _with_parsed_calls(m: dict, i: int) -> dict:
+    """Check an assistant message's ``tool_calls``; their arguments (a JSON string, as
+    OpenAI sends them) become objects."""
+    calls = m.get("tool_calls")
+    if calls is None:
+        return m
+    where = f"messages[{i}].tool_calls"
+    if m["role"] != "assistant" or not isinstance(calls, list):
+        raise ToolCallError(f"{where} must be a list, on an assistant message", "messages")
+    parsed = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ToolCallError(f'{where}[{j}] must be {{"type": "function", "function": '
+                                f'{{"name": ..., "arguments": ...}}}}', "messages")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except json.JSONDecodeError as e:
+                raise ToolCallError(f"{where}[{j}].function.arguments is not valid JSON: {e}", "messages") from None
+        if not isinstance(args, dict):
+            raise ToolCallError(f"{where}[{j}].function.arguments must be a JSON object", "messages")
+        parsed.append({**call, "type": "function", "function": {**fn, "arguments": args}})
+    return {**m, "tool_calls": parsed}

@@ -1,6 +1,6 @@
 """Multi-rank serving end to end, with REAL processes on CPU (gloo on 127.0.0.1):
 
-- ``--tp-size 2``: the openai client, constrained output, greedy ids equal to TP=1, and the
+- ``--tp-size 2``: the openai client, constrained output, a tool call, greedy ids equal to TP=1, and the
   two TP ranks running identical batches (``GRAMSYNC_BATCH_LOG_DIR``);
 - ``--dp-size 2``: requests spread over both DP groups, greedy ids equal to TP=1, and an
   abort (client disconnect) reaching the group that runs the request;
@@ -322,6 +322,48 @@ def test_tp2_openai_client(tp2_server):
                          "json_schema": {"name": "person", "schema": PERSON_SCHEMA}})
     assert person.choices[0].finish_reason == "stop", person.choices[0].message.content
     jsonschema.validate(json.loads(person.choices[0].message.content), PERSON_SCHEMA)
+
+
+@pytest.mark.timeout(240)
+def test_tp2_tool_call(tp2_server):
+    """A required tool call (the tools' grammar, --grammar-backend auto) at TP=2."""
+    base, _ = tp2_server
+    params = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    r = _client(base).chat.completions.create(
+        model="smollm2", max_tokens=48, temperature=0, tool_choice="required", parallel_tool_calls=False,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": params}}])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), params)
+
+
+@pytest.mark.timeout(240)
+def test_tp2_n_and_logprobs(tp2_server):
+    """n > 1 (prompt prefilled once, samples from the cache) with output and prompt logprobs at
+    TP=2: logprobs come from the entry rank; both ranks take the same prefill decisions."""
+    base, log_dir = tp2_server
+    r = httpx.post(f"{base}/generate", timeout=120, json={
+        "text": "Count with me: one, two,", "rid": "tp2-n-lp",
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.7, "seed": 2, "n": 3},
+        "return_logprob": True, "top_logprobs_num": 2})
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    prompt_tokens = outs[0]["meta_info"]["prompt_tokens"]
+    assert [o["meta_info"]["cached_tokens"] for o in outs[1:]] == [prompt_tokens - 1] * 2
+    for o in outs:
+        meta = o["meta_info"]
+        assert [e[1] for e in meta["output_token_logprobs"]] == o["output_ids"]
+        assert all(e[0] <= 0 and len(top) == 2 for e, top in zip(meta["output_token_logprobs"],
+                                                                  meta["output_top_logprobs"]))
+    r = httpx.post(f"{base}/generate", timeout=120, json={
+        "text": "Count with me: one, two,", "rid": "tp2-prompt-lp", "sampling_params": {"max_new_tokens": 1},
+        "return_logprob": True, "logprob_start_len": 1})
+    assert len(r.json()["meta_info"]["input_token_logprobs"]) == prompt_tokens - 1
+    rids = {f"tp2-n-lp-{i}" for i in range(3)} | {"tp2-prompt-lp"}
+    _wait_until(lambda: (_batches(log_dir, "DP0_TP0") == _batches(log_dir, "DP0_TP1")
+                         and rids <= _rids_in(_batches(log_dir, "DP0_TP1"))),
+                10, "identical batch logs of DP0_TP0 and DP0_TP1")
 
 
 @pytest.mark.timeout(240)

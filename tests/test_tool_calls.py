@@ -232,7 +232,8 @@ def test_bad_history_names_the_message(history, where):
     ({"tools": [{"type": "retrieval"}]}, 'tools: tools[0].type must be "function"'),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name 'get_weather' is not unique"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name must be"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "parameters must be a JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+     "parameters must be a JSON schema"),
     ({"tools": [{"type": "function", "function": {"name": "f", "x": 1}}]}, "unknown field(s): function.x"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice: tool_choice names function 'nope', which is not in tools (known: get_weather, get_time, ping)"),
@@ -267,3 +268,46 @@ def test_parser_names_and_defaults():
     req = resolve(TOOLS, {"type": "function", "function": {"name": "ping"}}, False)
     assert req.mode == "named" and [t.name for t in req.tools] == ["ping"] and not req.parallel
     assert req.tools[0].parameters == {"type": "object", "properties": {}}  # no parameters: none
+
+
+# ---- in the real scheduler ---------------------------------------------------------------
+@pytest.mark.parametrize("backend_name", ["xgrammar", "llguidance"])
+def test_scheduler_generates_a_whole_call_with_fast_forward(backend_name, smollm2_dir, smollm2_tokenizer):
+    """The call's closing literal is forced (fast-forward) and must reach the output whole:
+    llguidance takes all forced tokens at once and is already terminated after them."""
+    from srt.managers.io_struct import TokenizedGenerateReq
+    from test_scheduler import make_scheduler, run_until_done
+
+    tok = smollm2_tokenizer
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
+    calling, msgs, kwargs = ToolCalling.prepare(
+        ChatCompletionRequest.model_validate({"messages": USER, "tools": tools, "tool_choice": "required",
+                                              "parallel_tool_calls": False}), USER, tok, None)
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs)
+    sp = {"temperature": 0, "max_new_tokens": 40}
+    calling.constrain(sp)
+    s = make_scheduler(smollm2_dir, tok, max_total_tokens=4096, grammar_backend=backend_name,
+                       disable_torch_compile=True)
+    out = run_until_done(s, {0: [TokenizedGenerateReq("t", tuple(ids), SamplingParams.from_dict(sp))]})["t"]
+    s.grammar_manager.backend.shutdown()
+    text = tok.decode(out["ids"], skip_special_tokens=True)
+    assert out["finish"].type == "stop" and text.endswith("}\n</tool_call>"), text
+    message, reason = calling.message(text, "stop")
+    args = json.loads(message["tool_calls"][0]["function"]["arguments"])
+    assert reason == "tool_calls" and args["city"] in ("Paris", "Rome")
+
+
+def test_lark_translation_of_the_other_format_types(backend, smollm2_tokenizer):
+    """Both backends read these ``format`` types alike (llguidance via the Lark translation)."""
+    lit = lambda v: {"type": "const_string", "value": v}  # noqa: E731
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        lit("a"), {"type": "or", "elements": [lit("b"), lit("c")]}, {"type": "optional", "content": lit("d")},
+        {"type": "star", "content": lit("e")}, {"type": "json_schema", "json_schema": {"type": "integer"}}]}}
+    value = backend.init_value(("structural_tag", json.dumps(tag)))
+    assert not isinstance(value, InvalidGrammarObject), value.message
+    tok = smollm2_tokenizer
+    for good in ("ab7", "acdee12"):
+        assert accepts(value.copy(), tok, good) and accepts(value.copy(), tok, good + tok.eos_token), good
+    for bad in ("ad1", "abx", "abdd1"):
+        assert rejects(value.copy(), tok, bad), bad

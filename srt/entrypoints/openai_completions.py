@@ -1,7 +1,6 @@
 """/v1/completions: one prompt, ``n`` choices, optional logprobs, streamed or not."""
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from typing import AsyncIterator
@@ -10,9 +9,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from srt.entrypoints.openai_logprobs import completion_logprobs
-from srt.entrypoints.openai_protocol import CompletionChoice, CompletionRequest, CompletionResponse, error_body
+from srt.entrypoints.openai_protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from srt.entrypoints.openai_serving import (
-    SSE_DONE, ChoiceStream, OpenAIServing, _finish, error_response, errors_as_events, sse, usage_of,
+    SSE_DONE, ChoiceStream, OpenAIServing, _finish, choice_outputs, error_response, errors_as_events, sse,
+    usage_of,
 )
 
 
@@ -58,26 +58,24 @@ async def _stream(serving: OpenAIServing, req, model: str, include_usage: bool,
     async def events():
         streams = [ChoiceStream(None) for _ in range(n)]
         finals: dict[int, dict] = {}
-        async with contextlib.aclosing(serving.tm.generate_request(req)) as outputs:
-            async for out in outputs:
-                i = out.get("index", 0)
-                st, fr = streams[i], out["meta_info"]["finish_reason"]
-                if fr is not None and fr["type"] == "abort":
-                    yield sse(error_body(fr.get("message") or "Request aborted.", fr.get("status_code") or 500))
-                    break
-                logprobs = None
-                if want_logprobs:
-                    logprobs = completion_logprobs(out["meta_info"], out["output_ids"], serving.token_texts,
-                                                   st.logprobs_sent, text_offset=len(st.sent))
-                    st.logprobs_sent += len(logprobs.tokens)
-                    logprobs = logprobs if logprobs.tokens else None
-                delta, st.sent = out["text"][len(st.sent):], out["text"]
-                if delta or fr is not None or logprobs is not None:
-                    reason, matched = _finish(fr)
-                    yield chunk([CompletionChoice(index=i, text=delta, logprobs=logprobs,
-                                                  finish_reason=reason, matched_stop=matched)])
-                if fr is not None:
-                    finals[i] = out
+        async for i, out in choice_outputs(serving.tm, req):
+            if isinstance(out, str):  # aborted: the error event ends the stream
+                yield out
+                break
+            st, fr = streams[i], out["meta_info"]["finish_reason"]
+            logprobs = None
+            if want_logprobs:
+                logprobs = completion_logprobs(out["meta_info"], out["output_ids"], serving.token_texts,
+                                               st.logprobs_sent, text_offset=len(st.sent))
+                st.logprobs_sent += len(logprobs.tokens)
+                logprobs = logprobs if logprobs.tokens else None
+            delta, st.sent = out["text"][len(st.sent):], out["text"]
+            if delta or fr is not None or logprobs is not None:
+                reason, matched = _finish(fr)
+                yield chunk([CompletionChoice(index=i, text=delta, logprobs=logprobs,
+                                              finish_reason=reason, matched_stop=matched)])
+            if fr is not None:
+                finals[i] = out
         if include_usage and len(finals) == n:
             yield chunk([], usage=usage_of([finals[i] for i in range(n)]))
 

@@ -96,6 +96,19 @@ def _usage(meta: dict) -> UsageInfo:  # one output's meta_info, or combine_usage
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=meta.get("cached_tokens", 0)))
 
 
+async def choice_outputs(tm: TokenizerManager, req) -> AsyncIterator[tuple[int, Any]]:
+    """A streamed request's outputs as (choice index, output); an abort comes as
+    (index, its SSE error event) and ends it. Closing this aborts the request."""
+    async with contextlib.aclosing(tm.generate_request(req)) as outputs:
+        async for out in outputs:
+            fr = out["meta_info"]["finish_reason"]
+            if fr is not None and fr["type"] == "abort":
+                yield out.get("index", 0), sse(error_body(fr.get("message") or "Request aborted.",
+                                                          fr.get("status_code") or 500))
+                return
+            yield out.get("index", 0), out
+
+
 def usage_of(outs: list[dict]) -> UsageInfo:
     """Usage of a request's outputs (n > 1: the prompt once, every sample's completion)."""
     return _usage(combine_usage(outs))
@@ -204,33 +217,31 @@ class OpenAIServing:
         n = req.sampling_params.n
         streams = [ChoiceStream(tools.stream()) for _ in range(n)]  # one parser per choice
         finals: dict[int, dict] = {}
-        async with contextlib.aclosing(self.tm.generate_request(req)) as outputs:
-            async for out in outputs:
-                i = out.get("index", 0)
-                st, fr = streams[i], out["meta_info"]["finish_reason"]
-                if fr is not None and fr["type"] == "abort":
-                    yield sse(error_body(fr.get("message") or "Request aborted.", fr.get("status_code") or 500))
-                    break
-                logprobs = None
-                if want_logprobs:
-                    logprobs = chat_logprobs(out["meta_info"], out["output_ids"], self.token_texts, st.logprobs_sent)
-                    st.logprobs_sent += len(logprobs.content)
-                    logprobs = logprobs if logprobs.content else None
-                deltas = []
-                if len(out["text"]) > len(st.sent):
-                    deltas = list(st.tools.deltas(out["text"][len(st.sent):]))  # content and tool-call deltas
-                    st.sent = out["text"]
-                if logprobs is not None and not deltas:
-                    deltas = [{"content": ""}]  # logprobs of tokens whose text is held back
-                for k, delta in enumerate(deltas):
-                    yield chunk(DeltaMessage(**delta), index=i, logprobs=logprobs if k == 0 else None)
-                if fr is not None:
-                    finals[i] = out
-                    reason, matched = _finish(fr)
-                    last_deltas, reason = st.tools.finish(reason)
-                    for delta in last_deltas:
-                        yield chunk(DeltaMessage(**delta), index=i)
-                    yield chunk(DeltaMessage(), reason, matched, index=i)
+        async for i, out in choice_outputs(self.tm, req):
+            if isinstance(out, str):  # aborted: the error event ends the stream
+                yield out
+                break
+            st, fr = streams[i], out["meta_info"]["finish_reason"]
+            logprobs = None
+            if want_logprobs:
+                logprobs = chat_logprobs(out["meta_info"], out["output_ids"], self.token_texts, st.logprobs_sent)
+                st.logprobs_sent += len(logprobs.content)
+                logprobs = logprobs if logprobs.content else None
+            deltas = []
+            if len(out["text"]) > len(st.sent):
+                deltas = list(st.tools.deltas(out["text"][len(st.sent):]))  # content and tool-call deltas
+                st.sent = out["text"]
+            if logprobs is not None and not deltas:
+                deltas = [{"content": ""}]  # logprobs of tokens whose text is held back
+            for k, delta in enumerate(deltas):
+                yield chunk(DeltaMessage(**delta), index=i, logprobs=logprobs if k == 0 else None)
+            if fr is not None:
+                finals[i] = out
+                reason, matched = _finish(fr)
+                last_deltas, reason = st.tools.finish(reason)
+                for delta in last_deltas:
+                    yield chunk(DeltaMessage(**delta), index=i)
+                yield chunk(DeltaMessage(), reason, matched, index=i)
         if include_usage and len(finals) == n:
             yield sse(ChatCompletionChunk(id=f"chatcmpl-{req.rid}", created=created, model=model,
                                           choices=[], usage=usage_of([finals[i] for i in range(n)])))

@@ -89,9 +89,9 @@ class ToolCallParser:
                 self.after_call = False
             at = buf.find(fmt.trigger)
             if at >= 0:  # the whitespace before it joins the call's text (content if no call)
-                text = buf[:at].rstrip()
+                text, after = buf[:at].rstrip(), at + len(fmt.trigger)
                 out.content += text
-                self._raw, self.buf, self.state = buf[len(text):at + len(fmt.trigger)], buf[at + len(fmt.trigger):], self.HEAD
+                self._raw, self.buf, self.state = buf[len(text):after], buf[after:], self.HEAD
                 return True
             keep = _held_back(buf, fmt.trigger)
             out.content += buf[:keep]

@@ -73,7 +73,8 @@ def _with_parsed_calls(m: dict, i: int) -> dict:
             try:
                 args = json.loads(args or "{}")
             except json.JSONDecodeError as e:
-                raise ToolCallError(f"{where}[{j}].function.arguments is not valid JSON: {e}", "messages") from None
+                raise ToolCallError(f"{where}[{j}].function.arguments is not valid JSON: {e}",
+                                    "messages") from None
         if not isinstance(args, dict):
             raise ToolCallError(f"{where}[{j}].function.arguments must be a JSON object", "messages")
         parsed.append({**call, "type": "function", "function": {**fn, "arguments": args}})

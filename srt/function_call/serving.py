@@ -89,7 +89,8 @@ def _messages(delta: Delta) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [{"content": delta.content}] if delta.content else []
     for index, call_id, name, args in delta.calls:
         if call_id is not None:  # the call's first delta
-            item = {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            item = {"index": index, "id": call_id, "type": "function",
+                    "function": {"name": name, "arguments": args}}
         else:
             item = {"index": index, "function": {"arguments": args}}
         out.append({"tool_calls": [item]})

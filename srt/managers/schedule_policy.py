@@ -72,6 +72,7 @@ class PrefillAdder:
         than its last token still to compute? Then it waits one step and reuses the
         prompt's KV (only with the radix cache: ``share_prompts``)."""
         return (self.share_prompts and req.prefix_group is not None and extend > 1
+                and req.input_logprobs_done  # prompt logprobs: computed again anyway
                 and any(p.prefix_group == req.prefix_group for p in picked))
 
 

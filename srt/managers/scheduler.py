@@ -407,9 +407,11 @@ class Scheduler:
         except Exception as e:  # a library bug aborts this request only
             return [], (f"Grammar fast-forward failed: {type(e).__name__}: {e}", 500)
         appended = []
-        for tok in forced:
+        for k, tok in enumerate(forced):
             req.output_ids.append(tok)
             appended.append(tok)
+            if k + 1 < len(forced) and req.grammar.is_terminated():
+                continue  # the grammar took them all (llguidance): it ends after the last one
             req.check_finished(self.tokenizer)  # a stop string may end inside forced text
             if req.finished:
                 break

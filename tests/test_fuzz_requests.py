@@ -1082,13 +1082,14 @@ MAX_FUZZ_TOKENS = 8  # no fuzz case asks for more (scenarios aside)
 def _check_generation(path: str, data: Any) -> Optional[str]:
     """A 200 generation has the API's shape and stayed within the tokens the case allows."""
     try:
-        if path == "/generate":
-            assert isinstance(data["text"], str)
-            n = data["meta_info"]["completion_tokens"]
+        if path == "/generate":  # n > 1: a list of samples, each within the token limit
+            outs = data if isinstance(data, list) else [data]
+            assert outs and all(isinstance(o["text"], str) for o in outs)
+            n = max(o["meta_info"]["completion_tokens"] for o in outs)
         else:
             choice = data["choices"][0]
             assert isinstance(choice["text"] if path == "/v1/completions" else choice["message"]["content"], str)
-            n = data["usage"]["completion_tokens"]
+            n = data["usage"]["completion_tokens"] // len(data["choices"])  # per choice
     except (KeyError, IndexError, TypeError, AssertionError):
         return f"200 body does not have the {path} response shape: {json.dumps(data)[:300]}"
     if not isinstance(n, int) or n > MAX_FUZZ_TOKENS:

@@ -9,7 +9,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from srt.entrypoints.openai_protocol import ModelCard, ModelList
+from srt.entrypoints.openai_responses import ModelCard, ModelList
 from srt.entrypoints.openai_serving import (
     SSE_DONE, OpenAIServing, abort_error, error_response, errors_as_events, last_output_or_disconnect,
     read_json, sse,

@@ -9,7 +9,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from srt.entrypoints.openai_logprobs import completion_logprobs
-from srt.entrypoints.openai_protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from srt.entrypoints.openai_protocol import CompletionRequest
+from srt.entrypoints.openai_responses import CompletionChoice, CompletionResponse
 from srt.entrypoints.openai_serving import (
     SSE_DONE, ChoiceStream, OpenAIServing, _finish, choice_outputs, error_response, errors_as_events, sse,
     usage_of,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from srt.entrypoints.openai_protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from srt.entrypoints.openai_responses import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 
 class TokenTexts:

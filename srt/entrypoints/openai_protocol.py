@@ -1,4 +1,5 @@
-"""OpenAI-compatible request/response shapes (pydantic v2) and their mapping to ours.
+"""OpenAI-compatible request shapes (pydantic v2) and their mapping to ours; the response
+shapes are in openai_responses.py.
 
 Mapping (``to_sampling_params``): max_tokens / max_completion_tokens -> max_new_tokens,
 min_tokens -> min_new_tokens, stop, seed, temperature, top_p, frequency_penalty,
@@ -17,22 +18,20 @@ Unknown-field policy: requests are ``extra="forbid"``, so a misspelt or unknown 
  - ignored when they cannot change the generated text (``user``, ``metadata``, ``store``,
    ``service_tier``, ``stream_options.include_obfuscation``);
  - accepted at their neutral value and rejected with "<field> is not supported" otherwise
-   (``n``, ``logprobs``, ``echo``, ...). We never silently
+   (``echo``, ``suffix``, ``best_of``, ...). We never silently
    ignore something that would change the output.
 """
 from __future__ import annotations
 
-import time
-import uuid
 from http import HTTPStatus
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from srt.entrypoints.vllm_dialect import VllmDialectFields, request_constraint
-from srt.function_call.protocol import DeltaToolCall, ToolCall
-from srt.function_call.tools import check_tool_choice, check_tools
 from sampling.logprobs import MAX_TOP_LOGPROBS
+from srt.entrypoints.vllm_dialect import VllmDialectFields, request_constraint
+from srt.function_call.tools import check_tool_choice, check_tools
+from srt.entrypoints.openai_responses import ErrorDetail, ErrorResponse
 from srt.managers.generate_input import GenerateReqInput
 
 # field -> predicate telling that its value is neutral (behaves as if absent).
@@ -262,131 +261,6 @@ def response_format_constraint(rf: Optional[dict]) -> Optional[tuple[str, Any]]:
     if not isinstance(spec["schema"], (dict, bool)):
         raise ValueError("response_format.json_schema.schema must be a JSON object")
     return "json_schema", spec["schema"]
-
-
-# ---- responses ------------------------------------------------------------------------
-def _id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # prompt tokens whose KV came from the radix cache
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
-
-
-class ChatMessageOut(BaseModel):
-    role: str = "assistant"
-    content: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = Field(default=None, exclude_if=lambda v: v is None)
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: Optional[list[int]] = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: Optional[list[ChatTokenLogprob]] = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class ChatCompletionChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    matched_stop: Optional[Union[int, str]] = None  # SGLang extension
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: _id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(BaseModel):
-    role: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
-    content: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
-    tool_calls: Optional[list[DeltaToolCall]] = Field(default=None, exclude_if=lambda v: v is None)
-
-
-class ChatCompletionStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[str] = None
-    matched_stop: Optional[Union[int, str]] = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: Optional[UsageInfo] = Field(default=None, exclude_if=lambda v: v is None)
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[str] = None
-    matched_stop: Optional[Union[int, str]] = None
-
-
-class CompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: _id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = Field(default=None, exclude_if=lambda v: v is None)
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "gramsync"
-    root: Optional[str] = None
-    max_model_len: Optional[int] = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
 
 
 _EXTRA_PHRASES = {499: "Client Closed Request"}

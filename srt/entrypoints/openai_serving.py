@@ -14,12 +14,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from srt.entrypoints.openai_protocol import (
-    ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionStreamChoice, ChatMessageOut, DeltaMessage, PromptTokensDetails, UsageInfo, error_body, validation_error_message,
-)
 from srt.entrypoints.json_body import parse_json_body
 from srt.entrypoints.openai_logprobs import TokenTexts, chat_logprobs
+from srt.entrypoints.openai_protocol import ChatCompletionRequest, error_body, validation_error_message
+from srt.entrypoints.openai_responses import (
+    ChatCompletionChoice, ChatCompletionChunk, ChatCompletionResponse, ChatCompletionStreamChoice, ChatMessageOut,
+    DeltaMessage, PromptTokensDetails, UsageInfo,
+)
 from srt.function_call.serving import ToolCalling
 from srt.managers.generate_input import check_fits_context
 from srt.managers.samples import combine_usage

@@ -38,6 +38,7 @@ class ServerArgs:
     max_total_tokens: Optional[int] = _f(None, "KV-cache pool size in tokens (default: from --mem-fraction-static).")
     mem_fraction_static: Optional[float] = _f(None, "Fraction of free memory for the KV cache (default: 0.85 on CUDA, 0.1 of RAM on CPU).")
     max_running_requests: int = _f(64, "Maximum requests decoding at once.")
+    max_queued_requests: Optional[int] = _f(None, "Most requests waiting to run (queued or compiling their grammar) per DP group; past it a new request gets 503 at once (SGLang's flag; default: unbounded).")
     chunked_prefill_size: Optional[int] = _f(None, "Most prompt tokens prefilled in one step: a longer prompt is split into chunks, with a decode step for the running requests after each. -1 disables. Default: 256 on CPU, 8192 on CUDA (README 'Chunked prefill').")
     max_prefill_tokens: int = _f(8192, "Token budget of one prefill batch (a longer single prompt still runs alone).")
     stream_interval: int = _f(1, "Send stream chunks every this many decode steps.")
@@ -100,6 +101,8 @@ class ServerArgs:
             raise ValueError("--max-request-bytes must be at least 1024")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be at least 1")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("--max-queued-requests must be at least 0")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("--max-total-tokens must be at least 2")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:

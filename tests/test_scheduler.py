@@ -255,3 +255,17 @@ def test_failing_custom_logit_processor_aborts_only_its_request(sched, smollm2_t
                                            max_new_tokens=6, ignore_eos=True)]})
     assert outs["good"]["ids"] == alone["good2"]["ids"]
     assert len(outs["late"]["ids"]) == 4
+
+
+def test_bounded_queue_rejects_at_once_and_keeps_what_it_accepted(smollm2_dir, smollm2_tokenizer):
+    """--max-queued-requests: past the limit a new request is a 503 at once; accepted ones
+    all finish, and once the queue drains new requests are accepted again."""
+    s = make_scheduler(smollm2_dir, smollm2_tokenizer, max_total_tokens=1024, max_queued_requests=2)
+    tok = smollm2_tokenizer
+    outs = run_until_done(s, {0: [req(tok, f"q{i}", PROMPTS[i], max_new_tokens=3) for i in range(5)]})
+    assert [outs[f"q{i}"]["finish"].type for i in range(5)] == ["length", "length", "abort", "abort", "abort"]
+    rejected = outs["q2"]["finish"]
+    assert rejected.status_code == 503 and "--max-queued-requests" in rejected.message
+    assert outs["q2"]["ids"] == []
+    later = run_until_done(s, {0: [req(tok, "later", PROMPTS[0], max_new_tokens=2)]})
+    assert later["later"]["finish"].type == "length"

@@ -131,6 +131,12 @@ class Scheduler:
         error = self._validate(req)
         if error is not None:
             req.finished_reason = FinishReason("abort", message=error, status_code=400)
+        elif self._queue_full():
+            limit = self.server_args.max_queued_requests
+            req.finished_reason = FinishReason(
+                "abort", status_code=503,
+                message=f"The server's queue is full ({limit} requests waiting, --max-queued-requests); "
+                        "retry later.")
         elif params.max_new_tokens == 0:
             req.finished_reason = FinishReason("length", matched=0)
         elif params.constraint is not None:
@@ -142,6 +148,11 @@ class Scheduler:
             return
         self.reqs[req.rid] = req
         self.waiting.append(req)
+
+    def _queue_full(self) -> bool:
+        """Identical on every rank: the queues are (accepted requests are never dropped)."""
+        limit = self.server_args.max_queued_requests
+        return limit is not None and len(self.waiting) + len(self.grammar_manager.grammar_queue) >= limit
 
     def _validate(self, req: Req) -> Optional[str]:
         n, ctx = len(req.origin_input_ids), self.runner.context_len

@@ -113,6 +113,9 @@ class AutoGrammarBackend(BaseGrammarBackend):
         self.metrics.count_fallback(label, "xgrammar_approximation")
         return value
 
+    def load(self, fmt: str, data: bytes) -> BaseGrammarObject:
+        return (self.guidance if fmt == "llguidance" else self.xgrammar).load(fmt, data)
+
     def shutdown(self) -> None:
         for backend in (self, self.xgrammar, self.guidance):
             BaseGrammarBackend.shutdown(backend)

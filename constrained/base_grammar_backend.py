@@ -97,6 +97,12 @@ class BaseGrammarObject:
     def copy(self) -> "BaseGrammarObject":
         raise NotImplementedError
 
+    def export(self) -> tuple[str, bytes]:
+        """(format, data) from which the backend's ``load`` rebuilds this compiled grammar in
+        another process (the node's compile pool, ``srt/grammar_pool``). NotImplementedError: this
+        kind of object compiles in the rank's own threads."""
+        raise NotImplementedError
+
     def fast_forward(self, max_tokens: int) -> list[int]:
         """Grammar fast-forward: the tokens the grammar forces next (a single continuation,
         e.g. the rest of a JSON key), at most ``max_tokens``, already accepted into this
@@ -117,6 +123,9 @@ class InvalidGrammarObject(BaseGrammarObject):
 
     def copy(self) -> "InvalidGrammarObject":
         return self
+
+    def export(self) -> tuple[str, bytes]:
+        return "invalid", self.message.encode()
 
 
 NO_OUTPUT_MESSAGE = (
@@ -159,6 +168,8 @@ class BaseGrammarBackend:
         self._cache: OrderedDict[GrammarKey, BaseGrammarObject] = OrderedDict()
         self._inflight: dict[GrammarKey, Future] = {}
         self.metrics = GrammarMetrics()  # cumulative counters for --enable-metrics
+        # The node's compile pool (srt/grammar_pool): misses compile there, not on our threads.
+        self.compile_pool = None
 
     # ---- compiling --------------------------------------------------------------------
     def dispatch(self, key: GrammarKey) -> BaseGrammarObject:
@@ -188,6 +199,22 @@ class BaseGrammarBackend:
                                      isinstance(value, InvalidGrammarObject))
         return value
 
+    def load(self, fmt: str, data: bytes) -> BaseGrammarObject:
+        """Rebuild a grammar compiled in another process from ``BaseGrammarObject.export``."""
+        raise NotImplementedError
+
+    def load_exported(self, fmt: str, data: bytes) -> BaseGrammarObject:
+        return InvalidGrammarObject(data.decode()) if fmt == "invalid" else self.load(fmt, data)
+
+    def can_use_compile_pool(self) -> bool:
+        """Built-in backends export and load their grammars; a plugin that does not
+        compiles on the rank's own threads, as before."""
+        return type(self).load is not BaseGrammarBackend.load
+
+    def attach_compile_pool(self, client) -> None:
+        """Compile every miss in the node's pool (``srt.grammar_pool.client``)."""
+        self.compile_pool = client
+
     def get_cached_or_future_value(self, key: GrammarKey) -> tuple[Union[BaseGrammarObject, Future], bool]:
         """(copy, True) on a hit; (Future of the pristine object, False) on a miss."""
         value = self._cache.get(key)
@@ -200,7 +227,10 @@ class BaseGrammarBackend:
         self.metrics.count("cache_misses")
         future = self._inflight.get(key)
         if future is None or future.cancelled():
-            future = self.executor.submit(self.init_value, key)
+            if self.compile_pool is not None:
+                future = self.compile_pool.submit(key, self)
+            else:
+                future = self.executor.submit(self.init_value, key)
             self._inflight[key] = future
         return future, False
 
@@ -218,8 +248,10 @@ class BaseGrammarBackend:
         future = self._inflight.get(key)
         if future is None or still_waiting:
             return
-        future.cancel()  # a started compile runs on; the pool bounds how many can
+        future.cancel()  # a started compile on our threads runs on; the pool's is killed
         self._inflight.pop(key, None)
+        if self.compile_pool is not None:
+            self.compile_pool.release(key)
 
     def cache_info(self) -> dict:
         return {"cached": len(self._cache), "in_flight": len(self._inflight)}

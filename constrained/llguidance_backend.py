@@ -101,10 +101,12 @@ class GuidanceMaskFiller:
 
 
 class GuidanceGrammar(BaseGrammarObject):
-    def __init__(self, matcher: llg.LLMatcher, mask_filler: GuidanceMaskFiller = None) -> None:
+    def __init__(self, matcher: llg.LLMatcher, mask_filler: GuidanceMaskFiller = None,
+                 source: str = "") -> None:
         super().__init__()
         self.matcher = matcher
         self.mask_filler = mask_filler
+        self.source = source  # the llguidance grammar it was built from (export)
 
     def accept_token(self, token: int) -> None:
         if not self.matcher.consume_token(token):
@@ -134,8 +136,12 @@ class GuidanceGrammar(BaseGrammarObject):
             raise ValueError(f"fast-forward tokens rejected: {self.matcher.get_error()}")
         return tokens
 
+    def export(self) -> tuple[str, bytes]:
+        # Cheap to rebuild: the grammar text (the lexer is built lazily, with bounded fuel).
+        return "llguidance", self.source.encode()
+
     def copy(self) -> "GuidanceGrammar":
-        twin = GuidanceGrammar(self.matcher.deep_copy(), self.mask_filler)
+        twin = GuidanceGrammar(self.matcher.deep_copy(), self.mask_filler, self.source)
         twin.stats.dispatch_type = self.stats.dispatch_type
         return twin
 
@@ -172,7 +178,13 @@ class GuidanceBackend(BaseGrammarBackend):
         matcher = llg.LLMatcher(self.tokenizer, grammar)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
-        return GuidanceGrammar(matcher, self.mask_filler)
+        return GuidanceGrammar(matcher, self.mask_filler, grammar)
+
+    def load(self, fmt: str, data: bytes) -> GuidanceGrammar:
+        """A grammar the compile pool checked (``GuidanceGrammar.export``)."""
+        if fmt != "llguidance":
+            raise ValueError(f"the llguidance backend cannot load a {fmt!r} grammar")
+        return self._matcher(data.decode())
 
     def dispatch_json_schema(self, spec: str) -> GuidanceGrammar:
         spec, opts = split_json_layout(spec, self.json_options)

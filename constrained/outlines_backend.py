@@ -124,6 +124,10 @@ class OutlinesGrammar(BaseGrammarObject):
             for word, bit in self.compiled.eos_bits:  # every stop id, not just outlines' one
                 row[word] |= bit
 
+    def export(self) -> tuple[str, bytes]:
+        _, (binary,) = self.compiled.index.__reduce__()  # outlines-core's own binary form
+        return "outlines", bytes(binary)
+
     def copy(self) -> "OutlinesGrammar":
         twin = OutlinesGrammar(self.compiled)
         twin.stats.dispatch_type = self.stats.dispatch_type
@@ -148,6 +152,12 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
         # ASCII \d \w \s, as xgrammar reads them; Index() releases the GIL while it builds.
         return OutlinesGrammar(CompiledRegex(oc.Index(ascii_shorthands(regex), self.vocabulary),
                                              self.eos_token_ids))
+
+    def load(self, fmt: str, data: bytes) -> OutlinesGrammar:
+        """An index the compile pool built (``OutlinesGrammar.export``)."""
+        if fmt != "outlines":
+            raise ValueError(f"the outlines backend cannot load a {fmt!r} grammar")
+        return OutlinesGrammar(CompiledRegex(oc.Index.from_binary(data), self.eos_token_ids))
 
     def dispatch_json_schema(self, spec: str) -> OutlinesGrammar:
         return self.compile_regex(schema_to_regex(*split_json_layout(spec, self.json_options)))

@@ -54,6 +54,9 @@ class ReasonerGrammarObject(BaseGrammarObject):
     def mask_source(self) -> BaseGrammarObject:
         return self.grammar.mask_source()  # asked only for rows past the think end
 
+    def export(self) -> tuple[str, bytes]:
+        return self.grammar.export()
+
     def copy(self) -> "ReasonerGrammarObject":
         return ReasonerGrammarObject(self.grammar.copy(), self.think_end_id)
 
@@ -70,6 +73,12 @@ class ReasonerGrammarBackend(BaseGrammarBackend):
 
     def dispatch(self, key: GrammarKey) -> BaseGrammarObject:
         return ReasonerGrammarObject(self.backend.dispatch(key), self.think_end_id)
+
+    def can_use_compile_pool(self) -> bool:
+        return self.backend.can_use_compile_pool()
+
+    def load(self, fmt: str, data: bytes) -> BaseGrammarObject:
+        return ReasonerGrammarObject(self.backend.load(fmt, data), self.think_end_id)
 
     def shutdown(self) -> None:
         self.backend.shutdown()

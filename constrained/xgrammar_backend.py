@@ -77,6 +77,10 @@ class XGrammarGrammar(BaseGrammarObject):
             forced.append(token)
         return forced
 
+    def export(self) -> tuple[str, bytes]:
+        # xgrammar's only format; deserialising releases the GIL for all but the copy in.
+        return "xgrammar", self.compiled.serialize_json().encode()
+
     def copy(self) -> "XGrammarGrammar":
         twin = XGrammarGrammar(self.compiled, self.mask_filler, self.jump_forward)
         twin.stats.dispatch_type = self.stats.dispatch_type
@@ -93,6 +97,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             raise ValueError("xgrammar does not support --constrained-json-whitespace-pattern")
         # One internal thread per compile: our pool already runs compiles side by side.
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
+        self.tokenizer_info = tokenizer_info
         self.json = config.json
         self.mask_filler = XGrammarMaskFiller()
         self.jump_forward = None  # set by from_tokenizer: fast-forward needs the tokenizer
@@ -104,6 +109,12 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         backend = cls(info, config)
         backend.jump_forward = JumpForwardTokenizer(tokenizer)
         return backend
+
+    def load(self, fmt: str, data: bytes) -> XGrammarGrammar:
+        """A grammar the compile pool compiled (``XGrammarGrammar.export``)."""
+        if fmt != "xgrammar":
+            raise ValueError(f"the xgrammar backend cannot load a {fmt!r} grammar")
+        return self._grammar(xgr.CompiledGrammar.deserialize_json(data.decode(), self.tokenizer_info))
 
     def _grammar(self, compiled: xgr.CompiledGrammar) -> XGrammarGrammar:
         return XGrammarGrammar(compiled, self.mask_filler, self.jump_forward)

@@ -73,6 +73,16 @@ SGLANG_GRAMMAR_MAX_POLL_ITERATIONS = EnvVar(
     "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS", int, 10000,
     "Scheduler iterations (busy or idle) a request may wait for its grammar before it is aborted (400, timed out).",
 )
+GRAMSYNC_GRAMMAR_COMPILE_WORKERS = EnvVar(
+    "GRAMSYNC_GRAMMAR_COMPILE_WORKERS", int, 2,
+    "Worker processes of each node's grammar compile pool, shared by the node's ranks "
+    "(lowest CPU priority); 0 compiles on threads inside every rank instead.",
+)
+GRAMSYNC_GRAMMAR_COMPILE_TIMEOUT = EnvVar(
+    "GRAMSYNC_GRAMMAR_COMPILE_TIMEOUT", float, 60.0,
+    "Seconds one grammar may compile in the pool; then its worker is killed and the "
+    "requests waiting for it fail with 400 (compile timed out).",
+)
 GRAMSYNC_BATCH_LOG_DIR = EnvVar(
     "GRAMSYNC_BATCH_LOG_DIR", str, "",
     "Directory where every scheduler rank writes the request ids of each batch it runs "
@@ -113,6 +123,8 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     GRAMSYNC_STARTUP_TIMEOUT,
     SGLANG_GRAMMAR_POLL_INTERVAL,
     SGLANG_GRAMMAR_MAX_POLL_ITERATIONS,
+    GRAMSYNC_GRAMMAR_COMPILE_WORKERS,
+    GRAMSYNC_GRAMMAR_COMPILE_TIMEOUT,
     GRAMSYNC_BATCH_LOG_DIR,
     GRAMSYNC_HOST_IP,
     GRAMSYNC_API_KEY,

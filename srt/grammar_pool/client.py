@@ -1,0 +1,129 @@
+"""A rank's end of the node's compile pool.
+
+``submit(key, backend)`` returns a Future the grammar manager polls as before; ``release``
+tells the service no request of this rank waits for the key. One I/O thread owns the
+DEALER socket; a second thread rebuilds each result into a grammar object
+(``backend.load_exported``) at the lowest CPU priority: loading a large xgrammar grammar
+takes seconds of CPU, which must not come from the forward pass."""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Optional
+
+import zmq
+
+from constrained.base_grammar_backend import InvalidGrammarObject
+from srt.grammar_pool.messages import RESULT_CODEC, TASK_CODEC, CompileRelease, CompileTask
+from srt.grammar_pool.worker import lowest_cpu_priority
+from srt.managers.wire import WireError
+
+logger = logging.getLogger(__name__)
+_ids = itertools.count()
+
+
+class CompilePoolClient:
+    def __init__(self, address: str, log_prefix: str = "") -> None:
+        self.log_prefix = log_prefix
+        self._zmq = zmq.Context()
+        self._sock = self._zmq.socket(zmq.DEALER)  # used by the I/O thread only
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)  # retried by ZMQ until the service has bound it
+        wake = f"inproc://grammar-pool-wake-{next(_ids)}"
+        self._wake_in = self._zmq.socket(zmq.PULL)
+        self._wake_in.bind(wake)
+        self._wake_out = self._zmq.socket(zmq.PUSH)  # used by the scheduler thread only
+        self._wake_out.connect(wake)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._futures: dict[tuple[str, str], tuple[Future, object]] = {}
+        self._closed = threading.Event()
+        threading.Thread(target=self._io_loop, daemon=True, name="grammar-pool-io").start()
+        threading.Thread(target=self._load_loop, daemon=True, name="grammar-pool-load").start()
+
+    # ---- the scheduler thread -------------------------------------------------------------
+    def submit(self, key: tuple[str, str], backend) -> Future:
+        future: Future = Future()
+        future.set_running_or_notify_cancel()  # only a result ends it; release() drops it
+        with self._lock:
+            self._futures[key] = (future, backend)
+        self._send(TASK_CODEC.encode(CompileTask(*key)))
+        return future
+
+    def release(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            if self._futures.pop(key, None) is None:
+                return
+        self._send(TASK_CODEC.encode(CompileRelease(*key)))
+
+    def close(self) -> None:
+        self._closed.set()
+        self._results.put(None)
+
+    def _send(self, frame: bytes) -> None:
+        self._outbox.put(frame)
+        self._wake_out.send(b"")
+
+    # ---- background threads -----------------------------------------------------------
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        while not self._closed.is_set():
+            events = dict(poller.poll(200))
+            if self._wake_in in events:
+                while self._wake_in.poll(0):
+                    self._wake_in.recv()
+                while not self._outbox.empty():
+                    self._sock.send(self._outbox.get())
+            if self._sock in events:
+                while self._sock.poll(0):
+                    frames = self._sock.recv_multipart()
+                    if len(frames) == 2:
+                        self._results.put(frames)
+
+    def _load_loop(self) -> None:
+        lowest_cpu_priority()  # this thread only
+        while True:
+            frames = self._results.get()
+            if frames is None:
+                return
+            try:
+                header = RESULT_CODEC.decode(frames[0])
+            except WireError as e:
+                logger.warning("%s dropped a malformed compile result: %s", self.log_prefix, e)
+                continue
+            key = (getattr(header, "kind", None), getattr(header, "spec", None))
+            with self._lock:
+                entry = self._futures.get(key)
+            if entry is None:  # released meanwhile, or a duplicate
+                continue
+            future, backend = entry
+            value = self._load(backend, header, frames[1])
+            with self._lock:
+                if self._futures.get(key) is entry:
+                    del self._futures[key]
+                    future.set_result(value)
+
+    def _load(self, backend, header, data: bytes):
+        try:
+            value = backend.load_exported(header.fmt, data)
+        except Exception as e:  # a library that cannot read its own export: say so
+            value = InvalidGrammarObject(f"Failed to compile {header.kind} grammar: the compiled "
+                                         f"grammar could not be loaded ({type(e).__name__}: {e})")
+        value.stats.compile_time = header.compile_time
+        value.stats.dispatch_type = header.dispatch_type
+        metrics = backend.metrics
+        metrics.observe_compile(header.dispatch_type, header.kind, header.compile_time,
+                                isinstance(value, InvalidGrammarObject))
+        for reason, outcome in header.fallbacks:
+            metrics.count_fallback(reason, outcome)
+        return value
+
+
+def connect_or_none(address: Optional[str], log_prefix: str = "") -> Optional[CompilePoolClient]:
+    return CompilePoolClient(address, log_prefix) if address else None

@@ -1,0 +1,276 @@
+"""The pool service: one process per node, started by the node's first rank
+(``start_pool_service``); every rank of the node (all its TP and DP ranks) connects.
+
+It compiles each distinct grammar once for the whole node: a task asked by several ranks
+(the ranks of a TP group ask within milliseconds of each other) waits on one compile, and
+recent results stay in a byte-bounded cache for ranks that ask later. A compile that runs
+past ``timeout_s``, or that no rank wants any more, is stopped by killing its worker
+(SIGKILL: its core is free at once) and a fresh worker takes its place. Only the agreed
+poll budget (SGLANG_GRAMMAR_MAX_POLL_ITERATIONS) decides for the ranks; a timeout here is
+one more failure every waiting rank receives alike."""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Optional
+
+import zmq
+
+from srt.grammar_pool.messages import (RESULT_CODEC, TASK_CODEC, CompileRelease, CompileResult,
+                                       CompileTask, WorkerReady)
+from srt.grammar_pool.worker import lowest_cpu_priority, run_worker
+from srt.managers.wire import WireError
+
+logger = logging.getLogger(__name__)
+Key = tuple[str, str]
+TIMEOUT_MESSAGE = ("Grammar compile timed out: the {kind} grammar did not compile within {t:g} s "
+                   "(GRAMSYNC_GRAMMAR_COMPILE_TIMEOUT); its compile was stopped.")
+MAX_FAILED_STARTS = 3
+CRASH_MESSAGE = ("Failed to compile {kind} grammar: the compiler process died while compiling it "
+                 "(exit code {code}).")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Everything the service and its workers need (sent once, over the service's stdin)."""
+
+    server_args: object  # ServerArgs
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    node_rank: int
+    directory: str  # private (0700) directory holding the IPC socket
+    address: str
+    num_workers: int
+    timeout_s: float
+    cache_bytes: int = 512 * 1024 * 1024
+
+
+class Worker:
+    def __init__(self, ctx, config: PoolConfig, index: int) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=run_worker, args=(child, config, index),
+                                name=f"grammar_compile_{index}", daemon=True)
+        self.proc.start()
+        child.close()
+        self.index, self.ready = index, False
+        self.task: Optional[Key] = None
+        self.started = 0.0
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(1.0)
+        self.conn.close()
+
+
+class PoolService:
+    def __init__(self, config: PoolConfig) -> None:
+        self.config = config
+        self.ctx = mp.get_context("spawn")
+        os.makedirs(config.directory, mode=0o700, exist_ok=True)
+        os.chmod(config.directory, 0o700)
+        self.zmq = zmq.Context()
+        self.sock = self.zmq.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # results are few; never drop one
+        self.sock.bind(config.address)
+        # One worker from the start; more (up to num_workers) when tasks queue up.
+        self.started_workers = itertools.count()  # numbers process titles
+        self.workers = [self._new_worker()]
+        self.failed_starts = 0  # workers that died before they were ready, in a row
+        self.waiting: dict[Key, set[bytes]] = {}  # key -> ranks (ZMQ identities) that want it
+        self.queue: deque[Key] = deque()
+        self.results: OrderedDict[Key, tuple[bytes, bytes]] = OrderedDict()
+        self.result_bytes = 0
+
+    # ---- the loop -----------------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+            by_fd = {w.conn.fileno(): w for w in self.workers}
+            for fd in by_fd:
+                poller.register(fd, zmq.POLLIN)
+            events = dict(poller.poll(100))
+            if self.sock in events:
+                self._read_ranks()
+            for fd, worker in by_fd.items():
+                if fd in events and worker in self.workers:  # not replaced meanwhile
+                    self._read_worker(worker)
+            self._stop_overdue()
+            self._dispatch()
+
+    def _read_ranks(self) -> None:
+        while True:
+            try:
+                ident, frame = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:  # not two frames: not one of our ranks
+                continue
+            try:
+                msg = TASK_CODEC.decode(frame)
+            except WireError as e:
+                logger.warning("dropped a malformed message: %s", e)
+                continue
+            key = (msg.kind, msg.spec)
+            if isinstance(msg, CompileTask):
+                self._want(ident, key)
+            elif isinstance(msg, CompileRelease):
+                self._release(ident, key)
+
+    def _want(self, ident: bytes, key: Key) -> None:
+        done = self.results.get(key)
+        if done is not None:
+            self.results.move_to_end(key)
+            self.sock.send_multipart([ident, *done], copy=False)
+            return
+        if key not in self.waiting:
+            self.waiting[key] = set()
+            self.queue.append(key)
+        self.waiting[key].add(ident)
+
+    def _release(self, ident: bytes, key: Key) -> None:
+        wanted = self.waiting.get(key)
+        if wanted is None:
+            return
+        wanted.discard(ident)
+        if wanted:
+            return
+        del self.waiting[key]
+        if key in self.queue:
+            self.queue.remove(key)
+            return
+        for i, worker in enumerate(self.workers):
+            if worker.task == key:  # no rank wants it: stop it, free its core now
+                logger.info("stopped a %s compile no request waits for (%.1f s in)",
+                            key[0], time.monotonic() - worker.started)
+                self._replace(i)
+
+    def _read_worker(self, worker: Worker) -> None:
+        try:
+            header = worker.conn.recv_bytes()
+            msg = RESULT_CODEC.decode(header)
+            if isinstance(msg, WorkerReady):
+                worker.ready, self.failed_starts = True, 0
+                return
+            data = worker.conn.recv_bytes()
+        except (EOFError, OSError, WireError):
+            self._worker_died(worker)
+            return
+        key, worker.task = worker.task, None
+        if key is not None and key == (msg.kind, msg.spec):
+            self._finish(key, header, data)
+
+    def _worker_died(self, worker: Worker) -> None:
+        i = self.workers.index(worker)
+        worker.proc.join(1.0)
+        if not worker.ready:
+            self.failed_starts += 1
+            if self.failed_starts >= MAX_FAILED_STARTS:  # its log says why; the rank reports it
+                logger.error("%d compile workers in a row failed to start; stopping the pool",
+                             self.failed_starts)
+                sys.exit(1)
+        key = worker.task
+        logger.error("compile worker %d exited (code %s)%s", worker.index, worker.proc.exitcode,
+                     f" while compiling a {key[0]} grammar" if key else "")
+        if key is not None:
+            self._fail(key, CRASH_MESSAGE.format(kind=key[0], code=worker.proc.exitcode),
+                       time.monotonic() - worker.started)
+        worker.task = None
+        self._replace(i)
+
+    def _stop_overdue(self) -> None:
+        now = time.monotonic()
+        for i, worker in enumerate(self.workers):
+            if worker.task is not None and now - worker.started > self.config.timeout_s:
+                key = worker.task
+                logger.warning("a %s compile ran past %g s (GRAMSYNC_GRAMMAR_COMPILE_TIMEOUT): "
+                               "killed its worker", key[0], self.config.timeout_s)
+                worker.task = None
+                self._replace(i)
+                self._fail(key, TIMEOUT_MESSAGE.format(kind=key[0], t=self.config.timeout_s),
+                           now - worker.started)
+
+    def _dispatch(self) -> None:
+        idle = [w for w in self.workers if w.task is None]
+        if len(self.queue) > len(idle) and len(self.workers) < self.config.num_workers:
+            if all(w.ready for w in self.workers):  # grow one at a time
+                self.workers.append(self._new_worker())
+        for worker in self.workers:
+            if not self.queue:
+                return
+            if worker.ready and worker.task is None:
+                key = self.queue.popleft()
+                worker.task, worker.started = key, time.monotonic()
+                worker.conn.send_bytes(TASK_CODEC.encode(CompileTask(*key)))
+
+    # ---- results ------------------------------------------------------------------------
+    def _fail(self, key: Key, message: str, seconds: float) -> None:
+        header = RESULT_CODEC.encode(CompileResult(key[0], key[1], "invalid", seconds, 0.0, "pool"))
+        self._finish(key, header, message.encode())
+
+    def _finish(self, key: Key, header: bytes, data: bytes) -> None:
+        for ident in self.waiting.pop(key, ()):
+            self.sock.send_multipart([ident, header, data], copy=False)
+        size = len(header) + len(data) + len(key[1])
+        if size <= self.config.cache_bytes:
+            self.results[key] = (header, data)
+            self.result_bytes += size
+            while self.result_bytes > self.config.cache_bytes:
+                old_key, (h, d) = self.results.popitem(last=False)
+                self.result_bytes -= len(h) + len(d) + len(old_key[1])
+
+    def _replace(self, i: int) -> None:
+        """Kill worker ``i``; a fresh one takes its place if it was the last."""
+        old = self.workers.pop(i)
+        old.kill()
+        if not self.workers:
+            self.workers.append(self._new_worker())
+
+    def _new_worker(self) -> Worker:
+        return Worker(self.ctx, self.config, next(self.started_workers))
+
+
+def start_pool_service(config: PoolConfig) -> subprocess.Popen:
+    """Start the node's service as a child of this rank (a daemonic multiprocessing process
+    may not have children, hence a plain subprocess). Its config goes over its stdin: a
+    pipe to our own child, so pickle is safe here (nothing from a network is unpickled)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "srt.grammar_pool.service"],
+                            stdin=subprocess.PIPE, env=env, cwd=root)
+    proc.stdin.write(pickle.dumps(config))
+    proc.stdin.close()
+    return proc
+
+
+def main() -> None:
+    import setproctitle
+
+    from srt.process_utils import die_with_parent
+
+    config: PoolConfig = pickle.load(sys.stdin.buffer)
+    die_with_parent()  # never outlive the rank that started it
+    # A stop signal to the rank's process group (Ctrl-C, a drain) is for the rank: the pool
+    # serves on while it drains and goes when the rank does (parent-death signal).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    priority = lowest_cpu_priority()
+    setproctitle.setproctitle(f"gramsync::grammar_pool_node{config.node_rank}")
+    logging.basicConfig(level=getattr(logging, config.server_args.log_level.upper()),
+                        format=f"%(asctime)s [grammar_pool node{config.node_rank}] "
+                               "%(levelname)s %(name)s: %(message)s")
+    logger.info("%d compile workers, timeout %g s, %s", config.num_workers, config.timeout_s, priority)
+    PoolService(config).run()
+
+
+if __name__ == "__main__":
+    main()

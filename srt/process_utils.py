@@ -3,11 +3,18 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import sys
+import threading
+import time
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
+# Set once a deferred stop signal arrived (``defer_stop_signals``).
+_stop_requested = threading.Event()
+_on_stop_signal: list[Callable[[int], None]] = []
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -21,3 +28,38 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
             logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
     except OSError as e:
         logger.warning("cannot set the parent-death signal: %s", e)
+
+
+def stop_requested() -> bool:
+    """True once this process got SIGTERM or SIGINT under ``defer_stop_signals``."""
+    return _stop_requested.is_set()
+
+
+def on_stop_signal(callback: Callable[[int], None]) -> None:
+    """Also call ``callback(signum)`` on every deferred stop signal (torchrun rank 0:
+    forward it to its frontend)."""
+    _on_stop_signal.append(callback)
+
+
+def defer_stop_signals(grace_s: float, name: str) -> None:
+    """For a scheduler rank of a server: SIGTERM / SIGINT do not stop it at once, since the
+    frontend is draining its requests and still needs it. The frontend's launcher (or, under
+    torchrun, the exit of rank 0) ends the rank afterwards; the first signal also arms a
+    fallback exit (code 0) after ``grace_s`` seconds in case nothing does."""
+
+    def fallback() -> None:
+        time.sleep(grace_s)
+        logger.warning("%s: still running %.0f s after a stop signal; exiting", name, grace_s)
+        os._exit(0)
+
+    def handler(signum, frame) -> None:
+        if not _stop_requested.is_set():
+            _stop_requested.set()
+            logger.info("%s: got %s; serving on while the frontend drains", name,
+                        signal.Signals(signum).name)
+            threading.Thread(target=fallback, daemon=True, name="stop-fallback").start()
+        for callback in _on_stop_signal:
+            callback(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)

@@ -29,6 +29,7 @@ class ServerArgs:
     # HTTP
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
+    graceful_shutdown_timeout: float = _f(20.0, "On SIGTERM: refuse new requests (503), let running ones finish for up to this many seconds, then end the rest with an error and exit 0 (README 'Graceful shutdown'; SIGINT: at once).")
     # Security (README "Security")
     api_key: Optional[str] = _f(None, "Every endpoint but /health and /metrics needs 'Authorization: Bearer <key>' (default: $GRAMSYNC_API_KEY; unset: no key).")
     admin_api_key: Optional[str] = _f(None, "Key for the admin endpoints (/abort_request, /get_server_info); the --api-key does not grant them (default: $GRAMSYNC_ADMIN_API_KEY; unset: --api-key guards them).")
@@ -97,6 +98,8 @@ class ServerArgs:
                 raise ValueError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}")
         if self.dist_timeout <= 0 or self.watchdog_timeout < 0:
             raise ValueError("--dist-timeout must be positive and --watchdog-timeout at least 0")
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError("--graceful-shutdown-timeout must be at least 0")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be at least 1024")
         if self.max_running_requests < 1:

@@ -91,9 +91,13 @@ def test_torchrun_two_nodes_one_tp_group(tmp_path, smollm2_dir):
     try:
         _wait_healthy(nodes[0], base, logs[0])
         group = [p for n in nodes for p in (psutil.Process(n.pid), *_descendants(n))]
-        titles = sorted(" ".join(p.cmdline()).strip() for p in group if "gramsync::" in " ".join(p.cmdline()))
-        assert titles == ["gramsync::frontend", "gramsync::scheduler_DP0_TP0",
-                          "gramsync::scheduler_DP0_TP1"], titles
+        every = [" ".join(p.cmdline()).strip() for p in group if "gramsync::" in " ".join(p.cmdline())]
+        titles = sorted(t for t in every if "grammar_compile" not in t)
+        # One grammar compile pool per node (each node's ranks share theirs).
+        assert titles == ["gramsync::frontend", "gramsync::grammar_pool_node0", "gramsync::grammar_pool_node1",
+                          "gramsync::scheduler_DP0_TP0", "gramsync::scheduler_DP0_TP1"], titles
+        for node in (0, 1):
+            assert any(t.startswith(f"gramsync::grammar_compile_node{node}_") for t in every), every
         schema = '{"type":"object","properties":{"n":{"type":"integer"}},"required":["n"]}'
         out = _generate(base, "A JSON object with a number:", max_new_tokens=24, temperature=0,
                         json_schema=schema)

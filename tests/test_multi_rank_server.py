@@ -214,13 +214,7 @@ def tp1_ids(tmp_path_factory, smollm2_dir) -> list[list[int]]:
         server.close()  # runs _launch_server's cleanup: the process group is killed
 
 
-@pytest.fixture(scope="module")
-def tp2_server(tmp_path_factory, smollm2_dir):
-    """(base URL, batch-log dir) of a ``--tp-size 2`` server (with --enable-metrics)."""
-    log_dir = str(tmp_path_factory.mktemp("tp2_batches"))
-    for base in _launch_server(tmp_path_factory, smollm2_dir, ["--tp-size", "2", "--enable-metrics", *FP32],
-                               env={"GRAMSYNC_BATCH_LOG_DIR": log_dir}):
-        yield base, log_dir
+# tp2_server: session-scoped in conftest.py (test_fuzz_requests.py fuzzes the same server).
 
 
 @pytest.fixture(scope="module")
@@ -485,9 +479,11 @@ def test_torchrun_tp2_constrained_and_clean_stop(tmp_path, smollm2_dir):
     try:
         _wait_healthy(proc, base, log_path)
         seen = [p for p in _descendants(proc) if _title(p).startswith("gramsync::")]
-        titles = sorted(_title(p) for p in seen)
-        assert titles == ["gramsync::frontend", "gramsync::scheduler_DP0_TP0",
-                          "gramsync::scheduler_DP0_TP1"], titles
+        titles = sorted(_title(p) for p in seen if "grammar_compile" not in _title(p))
+        # One grammar compile pool for the node, shared by its two ranks.
+        assert titles == ["gramsync::frontend", "gramsync::grammar_pool_node0",
+                          "gramsync::scheduler_DP0_TP0", "gramsync::scheduler_DP0_TP1"], titles
+        assert any(_title(p).startswith("gramsync::grammar_compile_node0_") for p in seen)
 
         res = _generate(base, "My phone number is ", regex=PHONE_REGEX, max_new_tokens=16,
                         temperature=0)
@@ -497,6 +493,11 @@ def test_torchrun_tp2_constrained_and_clean_stop(tmp_path, smollm2_dir):
         assert res["meta_info"]["finish_reason"]["type"] == "stop", res
         jsonschema.validate(json.loads(res["text"]), PERSON_SCHEMA)
 
+        from test_graceful_shutdown import _chat_stream
+
+        stream = _chat_stream(base, 12)  # in flight at the SIGTERM: it runs to its end
+        stream.start()
+        stream.wait_events(2)
         proc.send_signal(signal.SIGTERM)  # stop torchrun itself, as a user or a job system
         try:
             proc.wait(60)
@@ -505,6 +506,11 @@ def test_torchrun_tp2_constrained_and_clean_stop(tmp_path, smollm2_dir):
         _wait_until(lambda: not any(_alive(p) for p in seen), 15,
                     "every gramsync:: process of torchrun to exit")
         assert not _healthy(base)
+        stream.finish()
+        assert stream.events[-1] == "[DONE]", stream.events[-3:]
+        assert json.loads(stream.events[-2])["choices"][0]["finish_reason"] == "length", stream.events[-3:]
+        log = _tail(log_path, 50000)
+        assert "scheduler crashed" not in log and "lost contact" not in log, log  # a clean stop
     finally:
         _stop(proc, seen)
 
@@ -526,6 +532,11 @@ def test_killed_rank_stops_the_server(tmp_path, smollm2_dir):
         assert len(victim) == 1, [_title(p) for p in group]
         assert _generate(base, "Hi", max_new_tokens=2, temperature=0)["meta_info"][
             "completion_tokens"] == 2
+        from test_graceful_shutdown import _chat_stream
+
+        stream = _chat_stream(base, 1000)  # in flight when the rank dies
+        stream.start()
+        stream.wait_events(2)
 
         t0 = time.monotonic()
         victim[0].send_signal(signal.SIGKILL)
@@ -545,6 +556,10 @@ def test_killed_rank_stops_the_server(tmp_path, smollm2_dir):
         assert not _healthy(base)
         assert code == 1, log
         assert f"gramsync: {dead}; the server stopped." in log, log
+        stream.finish()  # its error event came before the connection closed
+        assert stream.events[-1] == "[DONE]", stream.events[-3:]
+        error = json.loads(stream.events[-2])["error"]
+        assert error["code"] == 503 and "A scheduler process has exited" in error["message"], error
     finally:
         _stop(proc, group)
 

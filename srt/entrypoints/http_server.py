@@ -1,14 +1,20 @@
 """HTTP frontend process: the FastAPI app (SGLang-native /generate and the OpenAI API)
-and ``launch_server``, which starts the schedulers and serves until interrupted."""
+and ``launch_server``, which starts the schedulers and serves until interrupted (SIGTERM:
+a graceful drain, srt/entrypoints/drain.py)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
 import logging
+import signal
+import threading
+
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from srt.entrypoints.drain import RANK_GONE, Drain, DrainGate
 from srt.entrypoints.openai_responses import ModelCard, ModelList
 from srt.entrypoints.openai_serving import (
     SSE_DONE, OpenAIServing, abort_error, error_response, errors_as_events, last_output_or_disconnect,
@@ -27,9 +33,12 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
     tm = tokenizer_manager
     served_name = server_args.served_model_name or server_args.model_path or "default"
 
+    drain = Drain(tm, getattr(server_args, "graceful_shutdown_timeout", 0.0))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         tm.start_handle_loop()  # needs the server's running event loop
+        drain.attach(asyncio.get_running_loop())
         yield
 
     app = FastAPI(title="gramsync", lifespan=lifespan)
@@ -40,6 +49,8 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
     guard = HttpGuardConfig.from_server_args(server_args)
     app.state.http_guard = guard
     app.add_middleware(HttpGuard, config=guard)  # API keys and body size, before the body is read
+    app.state.drain = drain
+    app.add_middleware(DrainGate, drain=drain)  # outermost: counts every request, 503 once draining
 
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, exc: ValueError):  # safety net: user errors are 400s
@@ -192,7 +203,30 @@ def launch_server(server_args) -> None:
     server_args = prepare_server_args(server_args)
     host = (server_args.dist_init_addr or "").rpartition(":")[0] or None
     port_args = new_port_args(server_args, host)
-    serve(server_args, port_args, launch_schedulers(server_args, port_args))
+    serve(server_args, port_args, launch_schedulers(server_args, port_args, defer_stop_signals=True))
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn whose SIGTERM / SIGINT start the frontend's drain. (uvicorn's own handling
+    stops accepting at once, waits 5 s for open connections, then re-raises the signal: a
+    running stream was cut and the process died before its clean-up.)"""
+
+    def __init__(self, config, drain: Drain):
+        super().__init__(config)
+        self.drain = drain
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # uvicorn >= 0.29 installs its handlers here
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, lambda signum, frame: self.drain.on_signal(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _init_frontend_process(server_args) -> None:
@@ -205,9 +239,8 @@ def _init_frontend_process(server_args) -> None:
 
 def serve(server_args, port_args, handles) -> None:
     """Serve HTTP on top of ready scheduler ranks until stopped. A rank that dies takes the
-    server down: this raises SystemExit naming the rank (exit code 1)."""
-    import uvicorn
-
+    server down: this raises SystemExit naming the rank (exit code 1). SIGTERM drains
+    (srt/entrypoints/drain.py), then this returns."""
     from srt.tokenizer_utils import get_tokenizer
 
     tm = None
@@ -217,16 +250,23 @@ def serve(server_args, port_args, handles) -> None:
                                   server_args.chat_template)
         tm = TokenizerManager(server_args, port_args, handles.info, tokenizer, handles.input_addrs)
         tm.scheduler_alive = handles.alive
-        server = uvicorn.Server(uvicorn.Config(
-            create_app(tm, server_args), host=server_args.host, port=server_args.port,
-            log_level=server_args.log_level, timeout_keep_alive=5, timeout_graceful_shutdown=5))
+        app = create_app(tm, server_args)
+        drain: Drain = app.state.drain
+        server = _DrainingServer(uvicorn.Config(
+            app, host=server_args.host, port=server_args.port,
+            log_level=server_args.log_level, timeout_keep_alive=5, timeout_graceful_shutdown=5), drain)
+
+        def stop_http() -> None:
+            server.should_exit = True
+
+        drain.on_done = stop_http
 
         def on_rank_death(message: str) -> None:
-            # A dead rank means no request can finish: stop serving (SGLang does too).
-            # should_exit, not a signal: uvicorn re-raises signals after shutting down.
+            # A dead rank means no request can finish: end them all with an error (a
+            # stream: its error event), then stop serving (SGLang stops too).
             logger.error("%s; shutting the server down.", message)
             failure.append(message)
-            server.should_exit = True
+            drain.request(RANK_GONE, 0.0)
 
         handles.watch(on_rank_death)
         server.run()

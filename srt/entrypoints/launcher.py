@@ -91,40 +91,43 @@ class SchedulerHandles:
         threading.Thread(target=loop, daemon=True, name="scheduler-watch").start()
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the ranks now. SIGKILL: a server's ranks wait on SIGTERM (the frontend's
+        drain comes first), and a rank holds nothing to save -- SIGTERM with its default
+        action ended them just as abruptly."""
         self._stopping.set()
         for p in self.procs:
             if p.is_alive():
-                p.terminate()
+                p.kill()
         deadline = time.monotonic() + timeout
         for p in self.procs:
             p.join(max(deadline - time.monotonic(), 0.1))
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(1.0)
 
 
 def spawn_local_ranks(server_args: ServerArgs, port_args: Optional[PortArgs],
-                      dist: DistConfig) -> list[mp.Process]:
+                      dist: DistConfig, defer_stop_signals: bool = False) -> list[mp.Process]:
     ctx = mp.get_context("spawn")
     procs = []
     for world_rank in local_world_ranks(server_args.tp_size, server_args.dp_size,
                                         server_args.nnodes, server_args.node_rank):
         rank = RankInfo.for_world_rank(world_rank, server_args.tp_size, server_args.dp_size,
                                        server_args.nnodes)
-        launch = RankLaunch(server_args, rank, dist, port_args)
+        launch = RankLaunch(server_args, rank, dist, port_args, defer_stop_signals)
         proc = ctx.Process(target=run_scheduler_process, name=rank.name, args=(launch,), daemon=True)
         proc.start()
         procs.append(proc)
     return procs
 
 
-def launch_schedulers(server_args: ServerArgs, port_args: PortArgs) -> SchedulerHandles:
-    """Node 0 (with the frontend): spawn this node's ranks, wait for the whole world."""
+def launch_schedulers(server_args: ServerArgs, port_args: PortArgs,
+                      defer_stop_signals: bool = False) -> SchedulerHandles:
+    """Node 0 (with the frontend): spawn this node's ranks, wait for the whole world.
+    ``defer_stop_signals``: the ranks serve on through SIGTERM (a server's drain)."""
     transport = transport_for(port_args, server_args.cluster_secret_file, "launcher")
     ready, _ = transport.bind(zmq.PULL, port_args.ready_ipc)
     handles = SchedulerHandles([])
     try:
-        handles.procs = spawn_local_ranks(server_args, port_args, dist_config(server_args))
+        handles.procs = spawn_local_ranks(server_args, port_args, dist_config(server_args),
+                                          defer_stop_signals)
         wait_for_ranks(ready, server_args, handles)
     except BaseException:
         handles.shutdown()
@@ -168,15 +171,31 @@ def wait_for_ranks(ready: zmq.Socket, server_args: ServerArgs, handles: Schedule
 
 def run_worker_node(server_args: ServerArgs) -> int:
     """Nodes 1..n-1 of a multi-node launch without torchrun: run this node's ranks until
-    one exits; then stop the others and return a non-zero code."""
-    procs = spawn_local_ranks(server_args, None, dist_config(server_args))
+    one exits; then stop the others and return a non-zero code. SIGTERM: the ranks serve
+    on while node 0's frontend drains; the node exits 0 once a rank has exited (node 0
+    stopped) or --graceful-shutdown-timeout (plus a margin) has passed. SIGINT: at once."""
+    from srt.managers.scheduler_process import STOP_FALLBACK_MARGIN_S
+
+    procs = spawn_local_ranks(server_args, None, dist_config(server_args), defer_stop_signals=True)
     handles = SchedulerHandles(procs)
     stopped = threading.Event()
+    deadline: list[float] = []
+
+    def on_signal(signum, frame) -> None:
+        if signum == signal.SIGINT:
+            stopped.set()
+        elif not deadline:
+            logger.info("SIGTERM: node %d serves on while node 0 drains", server_args.node_rank)
+            deadline.append(time.monotonic() + server_args.graceful_shutdown_timeout
+                            + STOP_FALLBACK_MARGIN_S)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopped.set())
+        signal.signal(sig, on_signal)
     try:
         while not stopped.wait(0.2):
             dead = handles.dead_rank()
+            if deadline and (dead is not None or time.monotonic() > deadline[0]):
+                return 0
             if dead is not None:
                 logger.error("%s; stopping node %d", dead, server_args.node_rank)
                 return 1

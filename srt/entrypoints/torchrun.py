@@ -5,9 +5,14 @@ LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; single- or multi-node, static or ren
 Global rank 0 also starts the HTTP frontend as a child process; if the frontend exits,
 rank 0 exits too and torchrun stops every other worker, and if rank 0 dies the frontend
 is told by the kernel (parent-death signal) and stops.
+
+SIGTERM (torchrun sends it to every worker's process group on its own SIGTERM): every rank
+serves on while the frontend drains (rank 0 forwards the signal to it); the frontend then
+exits 0, rank 0 with it, and the other ranks exit 0 as they lose rank 0.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -70,15 +75,28 @@ def torchrun_main(server_args: ServerArgs) -> None:
             name="frontend", daemon=True)
         frontend.start()
         _exit_with(frontend)
+        from srt.process_utils import on_stop_signal
+
+        def forward(signum: int) -> None:  # a SIGTERM to rank 0 alone still drains the server
+            if frontend.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(frontend.pid, signum)
+
+        on_stop_signal(forward)
     run_scheduler_process(RankLaunch(server_args, rank, dist_config(server_args, "env://"),
-                                     port_args))
+                                     port_args, defer_stop_signals=True))
 
 
 def _exit_with(frontend: mp.Process) -> None:
     """Rank 0 leaves when its frontend does (stopped by a user, or failed)."""
+    from srt.process_utils import stop_requested
+
     def loop():
         frontend.join()
         code = frontend.exitcode or 0
+        if code == 0 and stop_requested():  # drained after a SIGTERM: a clean stop
+            logging.getLogger(__name__).info("the frontend has drained and exited; stopping rank 0")
+            os._exit(0)
         logging.getLogger(__name__).error("the frontend exited with code %s; stopping rank 0", code)
         os._exit(code if code > 0 else 1)
     threading.Thread(target=loop, daemon=True, name="frontend-watch").start()

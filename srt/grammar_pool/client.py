@@ -11,6 +11,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Optional
 
@@ -42,6 +43,7 @@ class CompilePoolClient:
         self._lock = threading.Lock()
         self._futures: dict[tuple[str, str], tuple[Future, object]] = {}
         self._closed = threading.Event()
+        self.load_cpu_seconds = 0.0  # CPU this rank spent loading pooled results (benchmarks)
         threading.Thread(target=self._io_loop, daemon=True, name="grammar-pool-io").start()
         threading.Thread(target=self._load_loop, daemon=True, name="grammar-pool-load").start()
 
@@ -103,7 +105,9 @@ class CompilePoolClient:
             if entry is None:  # released meanwhile, or a duplicate
                 continue
             future, backend = entry
+            start = time.thread_time()
             value = self._load(backend, header, frames[1])
+            self.load_cpu_seconds += time.thread_time() - start
             with self._lock:
                 if self._futures.get(key) is entry:
                     del self._futures[key]

@@ -25,6 +25,9 @@ from srt.server_args import ServerArgs
 
 
 PEER_CHECK_INTERVAL_S = 2.0
+# A rank told to stop (SIGTERM) exits by itself this long after --graceful-shutdown-timeout
+# if neither its launcher nor the loss of rank 0 has ended it by then.
+STOP_FALLBACK_MARGIN_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class RankLaunch:
     rank_info: RankInfo
     dist: DistConfig
     port_args: Optional[PortArgs] = None
+    # Part of a server (not the offline Engine): SIGTERM/SIGINT wait for the frontend's
+    # drain (srt/process_utils.py defer_stop_signals).
+    defer_stop_signals: bool = False
 
 
 def configure_logging(level: str, prefix: str) -> None:
@@ -45,10 +51,13 @@ def configure_logging(level: str, prefix: str) -> None:
 
 
 def run_scheduler_process(launch: RankLaunch) -> None:
-    from srt.process_utils import die_with_parent
+    from srt.process_utils import defer_stop_signals, die_with_parent, stop_requested
 
     die_with_parent()  # never outlive the launcher (or torchrun agent)
     rank_info = launch.rank_info
+    if launch.defer_stop_signals:
+        defer_stop_signals(launch.server_args.graceful_shutdown_timeout + STOP_FALLBACK_MARGIN_S,
+                           rank_info.name)
     setproctitle.setproctitle(rank_info.proc_title)
     configure_logging(launch.server_args.log_level, rank_info.log_prefix)
     logger = logging.getLogger(__name__)
@@ -84,9 +93,16 @@ def run_scheduler_process(launch: RankLaunch) -> None:
         from transformers import AutoTokenizer
 
         model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
+        from srt.grammar_pool.node_pool import start_node_pool
+
+        # Started before the model loads, so its workers warm up meanwhile.
+        grammar_pool = start_node_pool(server_args, rank_info, port_args.ready_ipc,
+                                       model_config.vocab_size, tuple(model_config.eos_token_ids))
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
         batch_log = BatchLog.from_env(rank_info)
         scheduler = Scheduler(server_args, rank_info, tp, model_config, tokenizer, batch_log)
+        if grammar_pool is not None:
+            grammar_pool.attach(scheduler.grammar_manager.backend, rank_info.log_prefix)
         node_address = this_node_address(launch.dist.init_method) if port_args.is_tcp else None
         receiver = RequestReceiver(transport, port_args.scheduler_input_ipcs[rank_info.dp_rank],
                                    rank_info, tp, node_address, model_config.vocab_size)
@@ -118,6 +134,9 @@ def run_scheduler_process(launch: RankLaunch) -> None:
         from distributed.peer_liveness import start_peer_liveness
 
         def lost(reason: str) -> None:
+            if stop_requested():  # the server is stopping: rank 0 is done draining
+                logger.info("another rank of the world has stopped; exiting")
+                os._exit(0)
             logger.error("lost contact with another rank of the world (%s); exiting", reason)
             os._exit(1)
 
@@ -126,6 +145,10 @@ def run_scheduler_process(launch: RankLaunch) -> None:
     try:
         scheduler.event_loop(receiver.recv, sender.send, watchdog.feed)
     except Exception:
+        if stop_requested():  # told to stop, and a peer (rank 0, after the drain) is gone
+            logger.info("another rank of the world has stopped (%s); exiting",
+                        traceback.format_exc().strip().splitlines()[-1][:200])
+            sys.exit(0)
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         sys.exit(1)
 

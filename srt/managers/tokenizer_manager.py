@@ -199,6 +199,22 @@ class TokenizerManager:
             if state is not None:
                 self._send(state.dp_rank, AbortReq(part) if message is None else AbortReq(part, message))
 
+    def fail_all(self, message: str, status_code: int = 503) -> int:
+        """End every in-flight request from here, without waiting for a scheduler (the server
+        is stopping, or a rank is gone): each gets an abort finish reason with ``message``
+        (a stream: its error event), and the schedulers are told to drop it. Returns how
+        many requests were ended."""
+        ended = 0
+        for rid, state in list(self.rid_to_state.items()):
+            if state.finish_reason is not None:
+                continue
+            reason = FinishReason("abort", message=message, status_code=status_code)
+            state.queue.put_nowait(((), reason, None, None))  # None: keep the token counts
+            with contextlib.suppress(zmq.ZMQError):
+                self._send(state.dp_rank, AbortReq(rid, message, status_code))
+            ended += 1
+        return ended
+
     async def flush_cache(self, timeout: float = 30.0) -> FlushCacheOut:
         """Ask every DP group to empty its radix cache; success only if all of them did."""
         loop = asyncio.get_running_loop()
@@ -224,9 +240,10 @@ class TokenizerManager:
                cached_tokens=0, fast_forward_tokens=0, output_logprobs=None, input_logprobs=None) -> None:
         new_ids = list(new_ids)
         state.output_ids.extend(new_ids)
-        state.prompt_tokens, state.completion_tokens = prompt_tokens, completion_tokens
-        state.cached_tokens = cached_tokens
-        state.fast_forward_tokens = fast_forward_tokens
+        if prompt_tokens is not None:  # None: ended by the frontend (fail_all), counts unchanged
+            state.prompt_tokens, state.completion_tokens = prompt_tokens, completion_tokens
+            state.cached_tokens = cached_tokens
+            state.fast_forward_tokens = fast_forward_tokens
         if state.logprobs is not None:
             state.logprobs.add(output_logprobs, input_logprobs)
         text_ids = new_ids

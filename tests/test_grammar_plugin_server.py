@@ -4,9 +4,11 @@ polls is a 400 with the documented message while other requests are served."""
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
 from conftest import _launch_server
@@ -18,6 +20,15 @@ def slow_server(tmp_path_factory, smollm2_dir):
            "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS": "40", "SGLANG_GRAMMAR_POLL_INTERVAL": "0.01"}
     yield from _launch_server(tmp_path_factory, smollm2_dir,
                               ["--grammar-backend", "slow", "--grammar-backend-plugins", "slow_grammar_plugin"], env)
+
+
+def compiling_workers() -> list:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or ())
+        if cmd.startswith("gramsync::grammar_compile") and "(compiling regex)" in cmd:
+            found.append(p)
+    return found
 
 
 def generate(base, regex):
@@ -37,5 +48,11 @@ def test_slow_plugin_backend_times_out_while_others_complete(slow_server):
         "scheduler polls (SGLANG_GRAMMAR_MAX_POLL_ITERATIONS).")
     assert fast.status_code == 200, fast.text
     assert len(fast.json()["text"]) == 3 and fast.json()["text"].isdigit()
+    # The timed-out request released its grammar: the compile pool killed the 20 s compile
+    # (its worker's title says "(compiling regex)" while it runs).
+    deadline = time.monotonic() + 1.5
+    while compiling_workers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not compiling_workers()
     again = generate(slow_server, "[0-9]{3}")  # the server is fine afterwards
     assert again.status_code == 200 and again.json()["text"] == fast.json()["text"]

@@ -8,7 +8,7 @@ threads every rank used before (each rank compiles its own copy).
 The pool side is the real service and real worker processes; each TP rank is represented
 by what a rank runs for it: a ``CompilePoolClient`` (its submits, and its loader thread that
 rebuilds every result into a grammar object). CPU = the service's and workers' CPU time
-(psutil, after a warm-up that starts both workers) + each rank's load CPU. The thread side
+(psutil, after a warm-up compile) + each rank's load CPU. The thread side
 calls ``init_value`` once per rank (what each rank's compile thread did). Ratios within one
 run only; the figures depend on the machine.
 """
@@ -64,16 +64,8 @@ def pool_cpu(args, backend, ranks: int, keys) -> float:
     service = start_pool_service(PoolConfig(args, VOCAB, EOS, 0, directory, address, 2, 600.0))
     try:
         clients = [CompilePoolClient(address, f"[TP{r}]") for r in range(ranks)]
-        warm = [clients[0].submit(("regex", f"warm{i}[0-9]"), backend) for i in range(3)]  # both workers up
-        for f in warm:
-            f.result(300)
+        clients[0].submit(("regex", "warm[0-9]"), backend).result(300)  # the pool is up
         proc = psutil.Process(service.pid)
-        quiet = tree_cpu(proc)
-        for _ in range(120):  # until the second worker has finished starting
-            time.sleep(0.5)
-            quiet, last = tree_cpu(proc), quiet
-            if quiet - last < 0.02:
-                break
         before = tree_cpu(proc)
         loads = [c.load_cpu_seconds for c in clients]
         futures = [c.submit(k, backend) for k in keys for c in clients]

@@ -27,7 +27,7 @@ import zmq
 
 from srt.grammar_pool.messages import (RESULT_CODEC, TASK_CODEC, CompileRelease, CompileResult,
                                        CompileTask, WorkerReady)
-from srt.grammar_pool.worker import lowest_cpu_priority, run_worker
+from srt.grammar_pool.worker import build_backend, lowest_cpu_priority, run_worker
 from srt.managers.wire import WireError
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,9 @@ Key = tuple[str, str]
 TIMEOUT_MESSAGE = ("Grammar compile timed out: the {kind} grammar did not compile within {t:g} s "
                    "(GRAMSYNC_GRAMMAR_COMPILE_TIMEOUT); its compile was stopped.")
 MAX_FAILED_STARTS = 3
+# A compile nobody waits for any more is killed once it has run this long: most compiles
+# end sooner, and a fresh worker costs seconds of CPU to start.
+RELEASE_GRACE_S = 1.0
 CRASH_MESSAGE = ("Failed to compile {kind} grammar: the compiler process died while compiling it "
                  "(exit code {code}).")
 
@@ -55,15 +58,19 @@ class PoolConfig:
 
 
 class Worker:
-    def __init__(self, ctx, config: PoolConfig, index: int) -> None:
+    """A forked child of the service: it starts in milliseconds with the service's backend
+    already built (copy-on-write), so killing a compile costs nothing to replace."""
+
+    def __init__(self, ctx, config: PoolConfig, index: int, backend) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=run_worker, args=(child, config, index),
+        self.proc = ctx.Process(target=run_worker, args=(child, config, index, backend),
                                 name=f"grammar_compile_{index}", daemon=True)
         self.proc.start()
         child.close()
         self.index, self.ready = index, False
         self.task: Optional[Key] = None
         self.started = 0.0
+        self.abandoned = False  # no rank wants its task any more
 
     def kill(self) -> None:
         self.proc.kill()
@@ -72,18 +79,19 @@ class Worker:
 
 
 class PoolService:
-    def __init__(self, config: PoolConfig) -> None:
-        self.config = config
-        self.ctx = mp.get_context("spawn")
+    def __init__(self, config: PoolConfig, backend) -> None:
+        self.config, self.backend = config, backend
+        # fork: workers inherit the built backend. The service's only other threads are
+        # ZMQ's, which a worker never touches (it exits with os._exit, multiprocessing's way).
+        self.ctx = mp.get_context("fork")
         os.makedirs(config.directory, mode=0o700, exist_ok=True)
         os.chmod(config.directory, 0o700)
         self.zmq = zmq.Context()
         self.sock = self.zmq.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # results are few; never drop one
         self.sock.bind(config.address)
-        # One worker from the start; more (up to num_workers) when tasks queue up.
         self.started_workers = itertools.count()  # numbers process titles
-        self.workers = [self._new_worker()]
+        self.workers = [self._new_worker() for _ in range(config.num_workers)]
         self.failed_starts = 0  # workers that died before they were ready, in a row
         self.waiting: dict[Key, set[bytes]] = {}  # key -> ranks (ZMQ identities) that want it
         self.queue: deque[Key] = deque()
@@ -134,7 +142,11 @@ class PoolService:
             return
         if key not in self.waiting:
             self.waiting[key] = set()
-            self.queue.append(key)
+            running = next((w for w in self.workers if w.task == key), None)
+            if running is not None:  # abandoned a moment ago: wanted again
+                running.abandoned = False
+            else:
+                self.queue.append(key)
         self.waiting[key].add(ident)
 
     def _release(self, ident: bytes, key: Key) -> None:
@@ -148,11 +160,9 @@ class PoolService:
         if key in self.queue:
             self.queue.remove(key)
             return
-        for i, worker in enumerate(self.workers):
-            if worker.task == key:  # no rank wants it: stop it, free its core now
-                logger.info("stopped a %s compile no request waits for (%.1f s in)",
-                            key[0], time.monotonic() - worker.started)
-                self._replace(i)
+        for worker in self.workers:
+            if worker.task == key:  # stopped by _stop_overdue unless it ends first
+                worker.abandoned = True
 
     def _read_worker(self, worker: Worker) -> None:
         try:
@@ -189,8 +199,13 @@ class PoolService:
 
     def _stop_overdue(self) -> None:
         now = time.monotonic()
-        for i, worker in enumerate(self.workers):
-            if worker.task is not None and now - worker.started > self.config.timeout_s:
+        for i, worker in reversed(list(enumerate(self.workers))):
+            if worker.task is not None and worker.abandoned and now - worker.started > RELEASE_GRACE_S:
+                logger.info("stopped a %s compile no request waits for (%.1f s in)",
+                            worker.task[0], now - worker.started)
+                worker.task = None
+                self._replace(i)
+            elif worker.task is not None and now - worker.started > self.config.timeout_s:
                 key = worker.task
                 logger.warning("a %s compile ran past %g s (GRAMSYNC_GRAMMAR_COMPILE_TIMEOUT): "
                                "killed its worker", key[0], self.config.timeout_s)
@@ -200,16 +215,12 @@ class PoolService:
                            now - worker.started)
 
     def _dispatch(self) -> None:
-        idle = [w for w in self.workers if w.task is None]
-        if len(self.queue) > len(idle) and len(self.workers) < self.config.num_workers:
-            if all(w.ready for w in self.workers):  # grow one at a time
-                self.workers.append(self._new_worker())
         for worker in self.workers:
             if not self.queue:
                 return
             if worker.ready and worker.task is None:
                 key = self.queue.popleft()
-                worker.task, worker.started = key, time.monotonic()
+                worker.task, worker.started, worker.abandoned = key, time.monotonic(), False
                 worker.conn.send_bytes(TASK_CODEC.encode(CompileTask(*key)))
 
     # ---- results ------------------------------------------------------------------------
@@ -229,14 +240,12 @@ class PoolService:
                 self.result_bytes -= len(h) + len(d) + len(old_key[1])
 
     def _replace(self, i: int) -> None:
-        """Kill worker ``i``; a fresh one takes its place if it was the last."""
-        old = self.workers.pop(i)
-        old.kill()
-        if not self.workers:
-            self.workers.append(self._new_worker())
+        """Kill worker ``i``; a fresh one takes its place."""
+        self.workers[i].kill()
+        self.workers[i] = self._new_worker()
 
     def _new_worker(self) -> Worker:
-        return Worker(self.ctx, self.config, next(self.started_workers))
+        return Worker(self.ctx, self.config, next(self.started_workers), self.backend)
 
 
 def start_pool_service(config: PoolConfig) -> subprocess.Popen:
@@ -263,13 +272,18 @@ def main() -> None:
     # serves on while it drains and goes when the rank does (parent-death signal).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    priority = lowest_cpu_priority()
     setproctitle.setproctitle(f"gramsync::grammar_pool_node{config.node_rank}")
     logging.basicConfig(level=getattr(logging, config.server_args.log_level.upper()),
                         format=f"%(asctime)s [grammar_pool node{config.node_rank}] "
                                "%(levelname)s %(name)s: %(message)s")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # its thread pool must not exist at fork
+    import torch
+
+    torch.set_num_threads(1)
+    backend = build_backend(config)  # once, at normal priority: the server waits for it
+    priority = lowest_cpu_priority()  # from here on (and in every worker), only idle cores
     logger.info("%d compile workers, timeout %g s, %s", config.num_workers, config.timeout_s, priority)
-    PoolService(config).run()
+    PoolService(config, backend).run()
 
 
 if __name__ == "__main__":

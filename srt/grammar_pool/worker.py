@@ -1,8 +1,8 @@
-"""A compile worker: one process of the node's pool, child of the pool service.
+"""A compile worker: one process of the node's pool, forked by the pool service.
 
-It builds the same grammar backend as the ranks (``create_grammar_backend``, plugins and
-``--reasoning-parser`` included), then compiles one task at a time and sends the result
-back exported (``BaseGrammarObject.export``). It runs at the lowest CPU priority, so the
+It inherits the service's grammar backend, built like the ranks' (``create_grammar_backend``,
+plugins and ``--reasoning-parser`` included), then compiles one task at a time and sends the
+result back exported (``BaseGrammarObject.export``). It runs at the lowest CPU priority, so the
 forward pass never waits for it; the service kills it when its compile runs past the
 timeout or no rank wants the grammar any more, and starts a fresh one."""
 from __future__ import annotations
@@ -59,10 +59,9 @@ def compile_one(backend, task: CompileTask) -> tuple[bytes, bytes]:
     return RESULT_CODEC.encode(header), data
 
 
-def run_worker(conn: Connection, config, index: int) -> None:
-    """Entry point of a worker process (multiprocessing, spawn)."""
+def run_worker(conn: Connection, config, index: int, backend) -> None:
+    """Entry point of a worker process (multiprocessing, fork)."""
     import setproctitle
-    import torch
 
     from srt.process_utils import die_with_parent
 
@@ -73,12 +72,7 @@ def run_worker(conn: Connection, config, index: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     title = f"gramsync::grammar_compile_node{config.node_rank}_{index}"
     setproctitle.setproctitle(title)
-    logging.basicConfig(level=getattr(logging, config.server_args.log_level.upper()),
-                        format=f"%(asctime)s [grammar_compile node{config.node_rank}.{index}] "
-                               "%(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    backend = build_backend(config)  # at normal priority: the server waits for one worker
-    priority = lowest_cpu_priority()  # from here on, only idle cores compile
+    priority = lowest_cpu_priority()  # inherited from the service; set again to be sure
     logger.debug("compile worker %d ready (pid %d, %s)", index, os.getpid(), priority)
     try:
         conn.send_bytes(RESULT_CODEC.encode(WorkerReady(os.getpid())))

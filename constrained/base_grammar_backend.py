@@ -99,8 +99,9 @@ class BaseGrammarObject:
 
     def export(self) -> tuple[str, bytes]:
         """(format, data) from which the backend's ``load`` rebuilds this compiled grammar in
-        another process (the node's compile pool, ``srt/grammar_pool``). NotImplementedError: this
-        kind of object compiles in the rank's own threads."""
+        another process (the node's compile pool, ``srt/grammar_pool``); ("rebuild", b"") when
+        compiling it again costs less than shipping it. NotImplementedError: this kind of
+        object compiles in the rank's own threads."""
         raise NotImplementedError
 
     def fast_forward(self, max_tokens: int) -> list[int]:

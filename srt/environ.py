@@ -74,7 +74,7 @@ SGLANG_GRAMMAR_MAX_POLL_ITERATIONS = EnvVar(
     "Scheduler iterations (busy or idle) a request may wait for its grammar before it is aborted (400, timed out).",
 )
 GRAMSYNC_GRAMMAR_COMPILE_WORKERS = EnvVar(
-    "GRAMSYNC_GRAMMAR_COMPILE_WORKERS", int, 2,
+    "GRAMSYNC_GRAMMAR_COMPILE_WORKERS", int, 4,
     "Worker processes of each node's grammar compile pool, shared by the node's ranks "
     "(lowest CPU priority); 0 compiles on threads inside every rank instead.",
 )

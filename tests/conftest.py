@@ -115,9 +115,26 @@ def server(tmp_path_factory, smollm2_dir):
     """ONE real server shared by the whole session: --grammar-backend xgrammar (pinned: the
     tests using it check xgrammar's behaviour and messages; the default, auto, is
     ``server_auto``), started with --enable-custom-logit-processor and --enable-metrics."""
+    # The fuzz's hostile grammars take ~8 s each to compile, at the lowest CPU priority
+    # while the fuzz keeps both cores busy: past 10 s they end as a clean 400 (compile
+    # timed out) rather than outlasting the fuzz's 30 s request timeout.
     yield from _launch_server(tmp_path_factory, smollm2_dir,
                               ["--grammar-backend", "xgrammar", "--enable-custom-logit-processor",
-                               "--enable-metrics"])
+                               "--enable-metrics"], {"GRAMSYNC_GRAMMAR_COMPILE_TIMEOUT": "10"})
+
+
+@pytest.fixture(scope="session")
+def tp2_server(tmp_path_factory, smollm2_dir):
+    """ONE ``--tp-size 2`` server shared by the session (test_multi_rank_server.py,
+    test_fuzz_requests.py): (base URL, batch-log dir). float32 (greedy ids are compared with
+    TP=1), --enable-metrics, --enable-custom-logit-processor, the default grammar backend
+    (auto); both ranks log their batches into the dir (GRAMSYNC_BATCH_LOG_DIR)."""
+    log_dir = str(tmp_path_factory.mktemp("tp2_batches"))
+    for base in _launch_server(tmp_path_factory, smollm2_dir,
+                               ["--tp-size", "2", "--enable-metrics", "--enable-custom-logit-processor",
+                                "--dtype", "float32"],
+                               env={"GRAMSYNC_BATCH_LOG_DIR": log_dir}):
+        yield base, log_dir
 
 
 @pytest.fixture(scope="session")

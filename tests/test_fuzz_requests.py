@@ -57,6 +57,12 @@ WORKERS = 8
 REQUEST_TIMEOUT_S = 30.0
 HEALTH_MAX_LATENCY_S = 10.0  # /health must answer within this while the fuzz runs
 FUZZ_BUDGET_S = 60.0  # the whole fuzz (all phases) must take less than this
+# TP=2 (tp2_server, test_fuzz_requests_tp2): a seeded subset, bounded in time.
+TP2_FRACTION = 0.08  # of each category's cases (scenarios: all; loop blockers: none)
+TP2_API_FRACTION = 0.2  # of the newer API fields' cases (categories api_*)
+TP2_MIN_PER_CATEGORY = 3
+TP2_DEADLINE_S = 30.0  # concurrent cases not started by then are not sent (counted in the summary)
+TP2_BUDGET_S = 90.0  # deadline + the slowest case (REQUEST_TIMEOUT_S) + scenarios
 GREEDY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
 
 JSON_CT = {"Content-Type": "application/json"}
@@ -420,6 +426,78 @@ CUSTOM_PARAMS: list[Any] = [
     {"token_ids": [1], "x": "\ud800"}, {"token_ids": [1], "deep": _deep(100)}, {"token_ids": [1], "deep": _deep(20000)},
     {}, [], "x", {"token_ids": [NAN]}, {"token_ids": [1], "f": NAN},
 ]
+GOOD_PARAMS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+GOOD_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": GOOD_PARAMS}}
+TOOLS: list[Any] = [
+    [], [{}], [None], [1], ["x"], {"type": "function"}, [{"type": "function"}], [{"type": "bogus", "function": {"name": "f"}}],
+    [{"type": "function", "function": {}}], [{"type": "function", "function": None}],
+    [{"type": "function", "function": {"name": 1}}], [{"type": "function", "function": {"name": ""}}],
+    [{"type": "function", "function": {"name": "x" * 10_000}}], [{"type": "function", "function": {"name": "\ud800"}}],
+    [{"type": "function", "function": {"name": "a b/c\"<>"}}], [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+    [{"type": "function", "function": {"name": "f", "parameters": []}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "http://evil.example/"}}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "(a+)+$"}}}],
+    [{"type": "function", "function": {"name": "f", "parameters": _nested_props}}],
+    [{"type": "function", "function": {"name": "f", "parameters": _deep_obj(20000)}}],
+    [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
+    [{"type": "function", "function": {"name": "f", "strict": "yes", "parameters": GOOD_PARAMS}}],
+    [{"type": "function", "function": {"name": "f", "description": 5}}],
+    [GOOD_TOOL, GOOD_TOOL], [GOOD_TOOL] * 1000,
+    [{"type": "function", "function": {"name": f"f{i}", "parameters": GOOD_PARAMS}} for i in range(500)],
+    [GOOD_TOOL, {"type": "function", "function": {"name": "g", "parameters": {"type": "integer", "minimum": 5, "maximum": 1}}}],
+    [{**GOOD_TOOL, "extra": _deep(20000)}], [GOOD_TOOL],
+]
+TOOL_CHOICES: list[Any] = [
+    "none", "auto", "required", "bogus", "", "\ud800", "REQUIRED", {}, [], 1, True,
+    {"type": "function"}, {"type": "function", "function": {}}, {"type": "function", "function": {"name": 1}},
+    {"type": "function", "function": {"name": "unknown_function"}}, {"type": "function", "function": {"name": "get_weather"}},
+    {"type": "function", "function": {"name": "get_weather", "arguments": _deep(20000)}},
+    {"type": "bogus", "function": {"name": "get_weather"}}, {"function": {"name": "get_weather"}},
+    {"type": "function", "function": {"name": "x" * 100_000}}, {"type": "function", "function": "get_weather"},
+    {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [1]}}, {"type": "custom", "custom": {"name": "x"}},
+]
+STRUCTURED_OUTPUTS: list[Any] = [
+    {}, {"json": None}, {"json": 5}, {"json": "not json"}, {"json": "{" * 100}, {"json": {"$ref": "#"}},
+    {"json": {"type": "integer", "minimum": 5, "maximum": 1}}, {"json": {"$ref": "http://169.254.169.254/"}},
+    {"json": _deep_obj(20000)}, {"json": '{"type": "integer", "minimum": ' + "9" * 5000 + "}"},
+    {"regex": "(a+)+$"}, {"regex": "["}, {"regex": 5}, {"regex": "a{1000000}"}, {"choice": []}, {"choice": [""]},
+    {"choice": "yes"}, {"choice": [1]}, {"choice": [f"c{i}" for i in range(100_000)]}, {"grammar": ""},
+    {"grammar": "root ::= root"}, {"grammar": 5}, {"json_object": "x"}, {"json_object": True}, {"json_object": False},
+    {"structural_tag": "not json"}, {"structural_tag": {"structures": [1]}}, {"structural_tag": _deep_obj(20000)},
+    {"json": {"type": "string"}, "regex": "a"}, {"regex": "a", "choice": ["a"]}, {"backend": "xgrammar"},
+    {"bogus": 1}, {"regex": "a", "disable_any_whitespace": True}, {"json": {}, "disable_any_whitespace": "x"},
+    {"json": {}, "whitespace_pattern": "(a+)+$"}, {"json": {}, "whitespace_pattern": "["},
+    {"json": {}, "whitespace_pattern": 5}, {"json": _nested_props, "disable_additional_properties": True},
+    {"json": {"allOf": [{"properties": {"a": {}}}]}, "disable_additional_properties": True},
+    {"json": {}, "disable_additional_properties": [1]}, {"regex": "\ud800"}, {"json": {"enum": ["\ud800"]}},
+    {"disable_any_whitespace": True}, {"whitespace_pattern": " "}, "x", [], 5, _deep(20000),
+]
+RF_STRICT: list[Any] = [
+    {"type": "json_schema", "json_schema": {"name": "s", "strict": True, "schema": GOOD_PARAMS}},
+    {"type": "json_schema", "json_schema": {"name": "s", "strict": "yes", "schema": GOOD_PARAMS}},
+    {"type": "json_schema", "json_schema": {"name": "s", "strict": 1, "schema": GOOD_PARAMS}},
+    {"type": "json_schema", "json_schema": {"name": "s", "strict": None, "schema": GOOD_PARAMS}},
+    {"type": "json_schema", "json_schema": {"name": "s", "strict": [True], "schema": GOOD_PARAMS}},
+    {"type": "json_schema", "json_schema": {"name": "s", "strict": False, "schema": {"$ref": "#"}}},
+    {"type": "json_schema", "json_schema": {"name": "s", "strict": True, "schema": {"not": {}}}},
+    {"type": "json_schema", "json_schema": {"name": "s", "strict": True, "schema": _deep_obj(20000)}},
+    {"type": "json_schema", "json_schema": {"name": "s", "strict": True, "schema": "str"}},
+    {"type": "json_schema", "json_schema": {"name": "s", "strict": True}},
+    {"type": "json_schema", "json_schema": {"strict": True, "schema": GOOD_PARAMS}},
+    {"type": "json_schema", "json_schema": {"name": 5, "strict": True, "schema": GOOD_PARAMS}},
+    {"type": "json_schema", "json_schema": {"name": "x" * 100_000, "strict": True, "schema": GOOD_PARAMS}},
+    {"type": "json_schema", "json_schema": {"name": "\ud800", "strict": True, "schema": GOOD_PARAMS}},
+    {"type": "json_schema", "json_schema": {"name": "s", "strict": True, "schema": GOOD_PARAMS, "bogus": 1}},
+    {"type": "json_schema", "json_schema": {"name": "s", "strict": True, "schema": {"type": "integer", "minimum": 2**70}}},
+    {"type": "json_schema", "strict": True, "json_schema": {"name": "s", "schema": GOOD_PARAMS}},
+]
+STREAM_OPTIONS: list[Any] = [
+    {}, {"include_usage": True}, {"include_usage": "x"}, {"include_usage": None}, {"include_usage": 2},
+    {"include_usage": [True]}, {"include_usage": True, "include_obfuscation": "x"}, {"continuous_usage_stats": True},
+    {"include_usage": True, "bogus": 1}, "x", [], 5, True, _deep_obj(20000),
+]
 UNKNOWN_KEYS = ["foo", "", "__proto__", "constructor", "\ud800", "🙂", "x" * 10_000, "max_new_token", "Temperature",
                 "sampling_params", "prompt", "messages", "text", "best_of", "functions", "api_key", " model"]
 
@@ -436,7 +514,13 @@ def _pool_for(kind: str) -> list[Any]:
         "ctkw": CHAT_TEMPLATE_KWARGS + WRONG_TYPES, "dict": [w for w in WRONG_TYPES if w != {}] + [_deep(20000)],
         "list": WRONG_TYPES + [[{"type": "function", "function": {"name": "f"}}]],
         "text": SURROGATES + HOSTILE_STRINGS + WRONG_TYPES,
+        "tools": TOOLS + WRONG_TYPES, "tool_choice": TOOL_CHOICES + WRONG_TYPES,
+        "so": STRUCTURED_OUTPUTS + WRONG_TYPES, "rf_strict": RF_STRICT + HOSTILE_RESPONSE_FORMATS,
+        "stream_options": STREAM_OPTIONS + WRONG_TYPES, "lp_start": LOGPROB_START_LENS + WRONG_TYPES,
     }[kind]
+
+
+LOGPROB_START_LENS: list[Any] = [-2, -1, 0, 1, 2, 3, 100, 2**31, 2**63, 2**70, -2**70, 1.0, 1.5, "0", NAN]
 
 
 SAMPLING_KINDS = {
@@ -447,17 +531,21 @@ SAMPLING_KINDS = {
     "custom_params": "cparams",
 }
 GENERATE_TOP_KINDS = {"text": "text", "input_ids": "input_ids", "stream": "bool", "rid": "str",
-                      "custom_logit_processor": "clp", "require_reasoning": "bool", "sampling_params": "dict"}
+                      "custom_logit_processor": "clp", "require_reasoning": "bool", "sampling_params": "dict",
+                      "return_logprob": "bool", "top_logprobs_num": "int", "logprob_start_len": "lp_start",
+                      "return_text_in_logprobs": "bool"}
 OPENAI_KINDS = {
     "model": "str", "max_tokens": "maxtok", "temperature": "float", "top_p": "float", "n": "int", "stop": "stop",
-    "seed": "int", "stream": "bool", "stream_options": "dict", "user": "str", "frequency_penalty": "float",
+    "seed": "int", "stream": "bool", "stream_options": "stream_options", "user": "str", "frequency_penalty": "float",
     "presence_penalty": "float", "logit_bias": "bias", "top_k": "int", "min_p": "float", "min_tokens": "int",
     "stop_token_ids": "ids", "ignore_eos": "bool", "skip_special_tokens": "bool", "repetition_penalty": "float",
-    "regex": "regex", "ebnf": "ebnf", "choice": "choice", "response_format": "rf", "custom_logit_processor": "clp",
-    "custom_params": "cparams",
+    "regex": "regex", "ebnf": "ebnf", "choice": "choice", "response_format": "rf_strict", "custom_logit_processor": "clp",
+    "custom_params": "cparams", "structured_outputs": "so", "guided_json": "schema", "guided_regex": "regex",
+    "guided_choice": "choice", "guided_grammar": "ebnf", "guided_whitespace_pattern": "regex",
+    "guided_decoding_backend": "str",
 }
 CHAT_KINDS = {**OPENAI_KINDS, "messages": "messages", "max_completion_tokens": "maxtok", "logprobs": "bool",
-              "top_logprobs": "int", "tools": "list", "tool_choice": "str", "parallel_tool_calls": "bool",
+              "top_logprobs": "int", "tools": "tools", "tool_choice": "tool_choice", "parallel_tool_calls": "bool",
               "chat_template_kwargs": "ctkw", "modalities": "list", "audio": "dict", "prediction": "dict",
               "metadata": "dict", "store": "bool", "service_tier": "str"}
 COMPLETION_KINDS = {**OPENAI_KINDS, "prompt": "prompt", "echo": "bool", "suffix": "str", "best_of": "int",
@@ -739,6 +827,156 @@ class FuzzGen:
                             ("require_reasoning", {"require_reasoning": True})):
             self.add(_json_case("edge", name, "/generate", {**_base("/generate"), **extra}))
 
+    def api_fields(self) -> None:
+        """The newer API fields: tools / tool_choice / parallel_tool_calls, n, chat logprobs /
+        top_logprobs, completions logprobs / echo, native return_logprob / top_logprobs_num /
+        logprob_start_len / return_text_in_logprobs, vLLM's structured_outputs / guided_* /
+        guided_decoding_backend, response_format json_schema with strict, stream_options."""
+        chat, comp, gen = "/v1/chat/completions", "/v1/completions", "/generate"
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for i, tools in enumerate(TOOLS):
+            choice = ("auto", "required", named, None)[i % 4]
+            obj = {**_base(chat, 3), "tools": tools, **({} if choice is None else {"tool_choice": choice})}
+            if i % 3 == 0:
+                obj["parallel_tool_calls"] = bool(i % 2)
+            self.add(_json_case("api_tools", f"tools#{i} tool_choice={_brief(choice)}", chat, obj))
+        for i, tc in enumerate(TOOL_CHOICES):
+            self.add(_json_case("api_tools", f"tool_choice#{i}", chat,
+                                {**_base(chat, 3), "tools": [GOOD_TOOL], "tool_choice": tc}))
+            if i % 2 == 0:
+                self.add(_json_case("api_tools", f"tool_choice#{i} without tools", chat,
+                                    {**_base(chat, 3), "tool_choice": tc}))
+        for i, ptc in enumerate(WRONG_TYPES[::2] + [NAN]):
+            self.add(_json_case("api_tools", f"parallel_tool_calls={_brief(ptc)}", chat, {
+                **_base(chat, 3), "tools": [GOOD_TOOL], "tool_choice": "required", "parallel_tool_calls": ptc}))
+        for name, extra in (("required + regex", {"regex": "a+"}), ("required + guided_json", {"guided_json": {}}),
+                            ("required + response_format", {"response_format": {"type": "json_object"}}),
+                            ("required + structured_outputs", {"structured_outputs": {"choice": ["a"]}}),
+                            ("named + n=2", {"n": 2}), ("required + logprobs", {"logprobs": True, "top_logprobs": 2}),
+                            ("required + stream", {"stream": True, "stream_options": {"include_usage": True}}),
+                            ("required + stream + n=2", {"stream": True, "n": 2}),
+                            ("auto + stream", {"stream": True, "tool_choice": "auto"}),
+                            ("none", {"tool_choice": "none"}), ("required + max_tokens=1", {"max_tokens": 1}),
+                            ("required + max_tokens=0", {"max_tokens": 0})):
+            obj = {**_base(chat, 3), "tools": [GOOD_TOOL], "tool_choice": "required", **extra}
+            self.add(_json_case("api_tools", name, chat, obj))
+        self.add(_json_case("api_tools", "assistant tool_calls history with garbage", chat, {**_base(chat, 3), "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "tool_calls": [{"id": 1, "type": "function", "function": {"name": "f", "arguments": "{"}}]},
+            {"role": "tool", "tool_call_id": None, "content": {"a": 1}}], "tools": [GOOD_TOOL]}))
+        # n, with and without logprobs and streams, on all three APIs
+        n_values = [0, -1, 1, 2, 3, 8, 129, 10**6, 2**31, 2**63, 2**70, 1.5, 2.0, "2", None, True, NAN]
+        for i, n in enumerate(n_values):
+            for path in GENERATE_ROUTES:
+                obj = _with_sampling(path, {"n": n}, 2)
+                if i % 3 == 1:
+                    obj["stream"] = True
+                if i % 4 == 2:
+                    obj.update({"/generate": {"return_logprob": True, "top_logprobs_num": 2},
+                                "/v1/completions": {"logprobs": 2}, chat: {"logprobs": True, "top_logprobs": 2}}[path])
+                self.add(_json_case("api_n", f"n={_brief(n)}", path, obj))
+        # chat logprobs / top_logprobs
+        for i, (lp, top) in enumerate([(True, 0), (True, 20), (True, 21), (True, -1), (False, 5), (None, 5),
+                                       (True, 2**70), (True, "5"), (True, 1.5), ("yes", None), (1, None),
+                                       (True, NAN), (True, None), ([True], 1), (True, {"a": 1}), (True, 2**63)]):
+            obj = {**_base(chat, 2), "logprobs": lp, **({} if top is None else {"top_logprobs": top})}
+            if i % 3 == 0:
+                obj["stream"] = True
+            if i % 5 == 1:
+                obj["n"] = 2
+            self.add(_json_case("api_logprobs", f"chat logprobs={_brief(lp)} top_logprobs={_brief(top)}", chat, obj))
+        # completions logprobs / echo
+        for i, lp in enumerate([-1, 0, 1, 5, 20, 21, 2**70, True, "1", 1.5, None, [], NAN, {"a": 1}]):
+            obj = {**_base(comp, 2), "logprobs": lp, "echo": bool(i % 2)}
+            if i % 3 == 0:
+                obj["stream"] = True
+            self.add(_json_case("api_logprobs", f"completions logprobs={_brief(lp)} echo={bool(i % 2)}", comp, obj))
+        for i, echo in enumerate(WRONG_TYPES[::2] + [NAN]):
+            self.add(_json_case("api_logprobs", f"echo={_brief(echo)}", comp, {**_base(comp, 2), "echo": echo}))
+        for name, extra in (("echo + max_tokens=0", {"echo": True, "max_tokens": 0}),
+                            ("echo + logprobs + max_tokens=0", {"echo": True, "logprobs": 3, "max_tokens": 0}),
+                            ("echo + token-id prompt + logprobs", {"echo": True, "logprobs": 1, "prompt": [1, 2, 3]}),
+                            ("echo + batched prompts + n=2", {"echo": True, "prompt": ["a", "b"], "n": 2, "logprobs": 1}),
+                            ("echo + stream + logprobs", {"echo": True, "stream": True, "logprobs": 2}),
+                            ("echo + 1-token prompt + logprobs", {"echo": True, "prompt": [1], "logprobs": 5}),
+                            ("echo + regex", {"echo": True, "regex": "[0-9]+", "logprobs": 1})):
+            self.add(_json_case("api_logprobs", name, comp, {**_base(comp, 2), **extra}))
+        # native logprob fields
+        for i, v in enumerate(WRONG_TYPES[::2] + [NAN]):
+            self.add(_json_case("api_logprobs", f"return_logprob={_brief(v)}", gen, {**_base(gen, 2), "return_logprob": v}))
+            self.add(_json_case("api_logprobs", f"return_text_in_logprobs={_brief(v)}", gen,
+                                {**_base(gen, 2), "return_logprob": True, "return_text_in_logprobs": v}))
+        for i, v in enumerate([-1, 0, 1, 20, 21, 10**6, 2**63, 2**70, 1.5, 2.0, "3", None, True, NAN, [], {}]):
+            self.add(_json_case("api_logprobs", f"top_logprobs_num={_brief(v)}", gen,
+                                {**_base(gen, 2), "return_logprob": bool(i % 5), "top_logprobs_num": v,
+                                 **({"stream": True} if i % 4 == 0 else {})}))
+        for i, v in enumerate(LOGPROB_START_LENS + [None, [], True]):
+            self.add(_json_case("api_logprobs", f"logprob_start_len={_brief(v)}", gen,
+                                {**_base(gen, 2), "return_logprob": i % 5 != 4, "logprob_start_len": v,
+                                 "top_logprobs_num": 1, **({"stream": True} if i % 3 == 0 else {})}))
+        for name, extra in (("no return_logprob but top_logprobs_num", {"top_logprobs_num": 3}),
+                            ("no return_logprob but logprob_start_len", {"logprob_start_len": 0}),
+                            ("no return_logprob but text", {"return_text_in_logprobs": True}),
+                            ("logprobs + n=3 + stream", {"return_logprob": True, "top_logprobs_num": 2,
+                                                         "logprob_start_len": 0, "return_text_in_logprobs": True,
+                                                         "stream": True, "sampling_params": {"max_new_tokens": 3, "n": 3}}),
+                            ("logprobs + input_ids", {"text": None, "input_ids": [1, 2, 3], "return_logprob": True,
+                                                      "logprob_start_len": 2, "top_logprobs_num": 20}),
+                            ("logprobs + max_new_tokens=0", {"return_logprob": True, "logprob_start_len": 0,
+                                                             "sampling_params": {"max_new_tokens": 0}}),
+                            ("logprobs + regex", {"return_logprob": True, "top_logprobs_num": 5,
+                                                  "sampling_params": {"max_new_tokens": 4, "regex": "[0-9]+"}}),
+                            ("logprobs + ban every token", {"return_logprob": True, "top_logprobs_num": 5, "sampling_params": {
+                                "max_new_tokens": 2, "logit_bias": {str(i): -100 for i in range(0, VOCAB, 3)}}})):
+            obj = {**_base(gen, 2), **extra}
+            if obj.get("text", "") is None:
+                del obj["text"]
+            self.add(_json_case("api_logprobs", name, gen, obj))
+        # vLLM's dialect
+        for i, so in enumerate(STRUCTURED_OUTPUTS):
+            path = (comp, chat)[i % 2]
+            self.add(_json_case("api_vllm", f"structured_outputs#{i}", path, _with_sampling(path, {"structured_outputs": so}, 3)))
+        for field, pool in (("guided_json", HOSTILE_SCHEMAS), ("guided_regex", CATASTROPHIC_REGEXES),
+                            ("guided_choice", HOSTILE_CHOICES), ("guided_grammar", HOSTILE_EBNF)):
+            # The dialect's mapping is what is new here: every third spec, but none of the
+            # big ones (their compile cost is the grammar cases' business).
+            light = [spec for spec in pool[::3] if len(dumps(spec)) < 2000]
+            for i, spec in enumerate(light + WRONG_TYPES[::4]):
+                path = (comp, chat)[i % 2]
+                self.add(_json_case("api_vllm", f"{field}#{i}", path, _with_sampling(path, {field: spec}, 3)))
+        for i, backend in enumerate(["xgrammar", "outlines", "llguidance", "auto", "bogus", "", 1, None, _deep(20000)]):
+            path = (comp, chat)[i % 2]
+            self.add(_json_case("api_vllm", f"guided_decoding_backend={_brief(backend)}", path,
+                                _with_sampling(path, {"guided_decoding_backend": backend, "guided_regex": "[0-9]"}, 3)))
+        for i, (name, fields) in enumerate((
+                ("guided_json + response_format", {"guided_json": {}, "response_format": {"type": "json_object"}}),
+                ("structured_outputs + regex", {"structured_outputs": {"regex": "a"}, "regex": "a"}),
+                ("guided_regex + guided_choice", {"guided_regex": "a", "guided_choice": ["a"]}),
+                ("guided_json + structured_outputs.json", {"guided_json": {}, "structured_outputs": {"json": {}}}),
+                ("guided_whitespace_pattern + guided_json", {"guided_json": {"type": "object"}, "guided_whitespace_pattern": " ?"}),
+                ("guided_whitespace_pattern catastrophic", {"guided_json": {}, "guided_whitespace_pattern": "(a+)+$"}),
+                ("guided_whitespace_pattern + regex", {"guided_regex": "a", "guided_whitespace_pattern": " "}),
+                ("guided_whitespace_pattern alone", {"guided_whitespace_pattern": " "}),
+                ("guided_json as JSON text", {"guided_json": '{"type": "integer"}'}),
+                ("guided_json deep text", {"guided_json": "[" * 20000 + "]" * 20000}),
+                ("guided_choice + stream", {"guided_choice": ["yes", "no"], "stream": True}),
+                ("structured_outputs json_object + n=2", {"structured_outputs": {"json_object": True}, "n": 2}))):
+            for path in (comp, chat):
+                self.add(_json_case("api_vllm", name, path, _with_sampling(path, fields, 3)))
+        # response_format json_schema with strict
+        for i, rf in enumerate(RF_STRICT):
+            path = (chat, comp)[i % 2]
+            self.add(_json_case("api_response_format", f"strict#{i}", path, _with_sampling(path, {"response_format": rf}, 3)))
+        # stream_options
+        for i, so in enumerate(STREAM_OPTIONS):
+            for path in (chat, comp):
+                for stream in (True, False) if i % 3 == 0 else (True,):
+                    self.add(_json_case("api_stream_options", f"stream_options#{i} stream={stream}", path,
+                                        {**_base(path, 2), "stream": stream, "stream_options": so}))
+        self.add(_json_case("api_stream_options", "include_usage + n=2 + logprobs", chat, {
+            **_base(chat, 2), "stream": True, "n": 2, "logprobs": True, "top_logprobs": 1,
+            "stream_options": {"include_usage": True}}))
+
     def unknown_fields(self) -> None:
         for path in POST_ROUTES:
             for k in UNKNOWN_KEYS:
@@ -908,6 +1146,7 @@ class FuzzGen:
         self.broken_json()
         self.deep()
         self.edges()
+        self.api_fields()
         self.unknown_fields()
         self.abort_bodies()
         self.routes()
@@ -1088,7 +1327,11 @@ def _check_generation(path: str, data: Any) -> Optional[str]:
             n = max(o["meta_info"]["completion_tokens"] for o in outs)
         else:
             choice = data["choices"][0]
-            assert isinstance(choice["text"] if path == "/v1/completions" else choice["message"]["content"], str)
+            if path == "/v1/completions":
+                assert isinstance(choice["text"], str)
+            else:  # a tool call may come without content
+                msg = choice["message"]
+                assert isinstance(msg["content"], str) or (msg["content"] is None and msg["tool_calls"])
             n = data["usage"]["completion_tokens"] // len(data["choices"])  # per choice
     except (KeyError, IndexError, TypeError, AssertionError):
         return f"200 body does not have the {path} response shape: {json.dumps(data)[:300]}"
@@ -1246,6 +1489,7 @@ class FuzzReport:
     t_concurrent: float
     worst_health: float
     problems: list[str]  # server-level problems (health, in-flight, greedy, time)
+    n_late: int = 0  # concurrent cases not sent: the run's deadline had passed
 
     def summary(self) -> str:
         by_status = collections.Counter(r.status if r.status is not None else "none" for r in self.results)
@@ -1255,7 +1499,8 @@ class FuzzReport:
         slowest = sorted(self.results, key=lambda r: -r.elapsed)[:5]
         lines = [f"fuzz: {len(self.results)} requests ({self.n_concurrent} concurrent on {WORKERS} threads, "
                  f"{len(self.results) - self.n_concurrent} in sequential scenarios), {len(self.skipped)} "
-                 f"known-bug cases not sent; {self.elapsed:.1f} s ({self.t_concurrent:.1f} s concurrent); "
+                 f"known-bug cases not sent, {self.n_late} not sent after the deadline; "
+                 f"{self.elapsed:.1f} s ({self.t_concurrent:.1f} s concurrent); "
                  f"worst /health latency {self.worst_health:.2f} s",
                  "status codes: " + str(dict(sorted(by_status.items(), key=lambda kv: str(kv[0]))))]
         lines += [f"  {cat:17s} {dict(sorted(c.items(), key=lambda kv: str(kv[0])))}"
@@ -1272,9 +1517,33 @@ class FuzzReport:
         return "\n".join(lines)
 
 
-def run_fuzz(base: str) -> FuzzReport:
+def tp2_subset(cases: list[Case]) -> list[Case]:
+    """The TP=2 run's cases: a seeded sample of TP2_FRACTION of each category (at least
+    TP2_MIN_PER_CATEGORY; TP2_API_FRACTION of the api_* categories), every scenario (aborts, disconnects and duplicate rids reach
+    every rank) and no loop blocker (frontend-only, as at TP=1); in the generator's order."""
+    rng = random.Random(SEED + 2)
+    by_cat: dict[str, list[int]] = collections.defaultdict(list)
+    for i, c in enumerate(cases):
+        by_cat[c.category].append(i)
+    keep: set[int] = set()
+    for cat, idx in by_cat.items():
+        if cat == "loop_blocker":
+            continue
+        if cat == "scenario":
+            keep.update(idx)
+            continue
+        frac = TP2_API_FRACTION if cat.startswith("api_") else TP2_FRACTION
+        k = min(len(idx), max(TP2_MIN_PER_CATEGORY, round(len(idx) * frac)))
+        keep.update(rng.sample(idx, k))
+    return [c for i, c in enumerate(cases) if i in keep]
+
+
+def run_fuzz(base: str, cases: Optional[list[Case]] = None, budget_s: float = FUZZ_BUDGET_S,
+             deadline_s: Optional[float] = None) -> FuzzReport:
+    """``deadline_s``: concurrent cases not started by then are not sent (counted in the
+    summary), so the run stays bounded in time on a slow machine."""
     reference = _greedy(base)
-    cases = FuzzGen(SEED).build()
+    cases = FuzzGen(SEED).build() if cases is None else cases
     skipped = [(c, bug) for c in cases if (bug := _known_bug(c)) is not None]
     skipped_ids = {id(c) for c, _ in skipped}
     concurrent_cases = [c for c in cases if c.runner is None and id(c) not in skipped_ids]
@@ -1283,13 +1552,21 @@ def run_fuzz(base: str) -> FuzzReport:
     probe = _HealthProbe(base)
     probe.start()
     t0 = time.perf_counter()
+
+    def send(c: Case) -> Optional[Result]:
+        if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
+            return None
+        return _send(base, c)
+
     try:
         with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
-            results = list(pool.map(lambda c: _send(base, c), concurrent_cases))
+            sent = list(pool.map(send, concurrent_cases))
         t_concurrent = time.perf_counter() - t0
     finally:
         probe.stop.set()
         probe.join()
+    results = [r for r in sent if r is not None]
+    n_late = len(sent) - len(results)
     for case in scenario_cases:  # sequential: each measures or aborts on an otherwise idle server
         try:
             results.extend(case.runner(base))
@@ -1316,10 +1593,11 @@ def run_fuzz(base: str) -> FuzzReport:
         problems.append(f"/health failed during the fuzz: {probe.failures[:3]}")
     if probe.worst > HEALTH_MAX_LATENCY_S:
         problems.append(f"/health took {probe.worst:.1f} s during the fuzz (event loop blocked?)")
-    if elapsed > FUZZ_BUDGET_S:
-        problems.append(f"the fuzz took {elapsed:.1f} s (budget {FUZZ_BUDGET_S:.0f} s)")
+    if elapsed > budget_s:
+        problems.append(f"the fuzz took {elapsed:.1f} s (budget {budget_s:.0f} s)")
     failures = [(r, why) for r in results if (why := check(r)) is not None]
-    return FuzzReport(results, failures, skipped, len(concurrent_cases), elapsed, t_concurrent, probe.worst, problems)
+    return FuzzReport(results, failures, skipped, len(concurrent_cases) - n_late, elapsed, t_concurrent,
+                      probe.worst, problems, n_late)
 
 
 def test_generator_is_seeded_and_covers_every_endpoint():
@@ -1331,8 +1609,30 @@ def test_generator_is_seeded_and_covers_every_endpoint():
     assert len([c for c in a if _known_bug(c) is None]) >= MIN_CASES  # still >= 1,000 sent
 
 
-def test_fuzz_requests(server):
-    report = run_fuzz(server)
-    print("\n" + report.summary())
+def _assert_clean(report: FuzzReport) -> None:
     problems = [_safe(f"{why}\n      <- {r.case.short()}") for r, why in report.failures] + report.problems
     assert not problems, f"{len(problems)} problem(s):\n  " + "\n  ".join(p[:700] for p in problems[:80])
+
+
+def test_fuzz_requests(server):
+    report = run_fuzz(server)
+    print("\n[TP=1] " + report.summary())
+    _assert_clean(report)
+
+
+def test_tp2_subset_is_seeded_and_covers_every_category():
+    cases = FuzzGen(SEED).build()
+    a, b = tp2_subset(cases), tp2_subset(FuzzGen(SEED).build())
+    assert [(c.path, c.body) for c in a] == [(c.path, c.body) for c in b]
+    assert {c.category for c in a} == {c.category for c in cases} - {"loop_blocker"}
+    assert 150 <= len(a) <= 300, len(a)
+
+
+@pytest.mark.timeout(240)
+def test_fuzz_requests_tp2(tp2_server):
+    """The same checks against the session's ``--tp-size 2`` server (``tp2_server``), on a
+    seeded subset of the cases (``tp2_subset``) and bounded in time (TP2_DEADLINE_S)."""
+    base, _ = tp2_server
+    report = run_fuzz(base, tp2_subset(FuzzGen(SEED).build()), budget_s=TP2_BUDGET_S, deadline_s=TP2_DEADLINE_S)
+    print("\n[TP=2] " + report.summary())
+    _assert_clean(report)

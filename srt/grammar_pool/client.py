@@ -4,7 +4,8 @@
 tells the service no request of this rank waits for the key. One I/O thread owns the
 DEALER socket; a second thread rebuilds each result into a grammar object
 (``backend.load_exported``) at the lowest CPU priority: loading a large xgrammar grammar
-takes seconds of CPU, which must not come from the forward pass."""
+takes seconds of CPU, which must not come from the forward pass. A grammar too large to
+ship ("rebuild") is compiled again on two more threads at that priority."""
 from __future__ import annotations
 
 import itertools
@@ -12,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import zmq
@@ -43,6 +44,9 @@ class CompilePoolClient:
         self._lock = threading.Lock()
         self._futures: dict[tuple[str, str], tuple[Future, object]] = {}
         self._closed = threading.Event()
+        # Grammars too large to ship are compiled again here (known to finish: the pool did).
+        self._rebuilder = ThreadPoolExecutor(2, thread_name_prefix="grammar-rebuild",
+                                             initializer=lowest_cpu_priority)
         self.load_cpu_seconds = 0.0  # CPU this rank spent loading pooled results (benchmarks)
         threading.Thread(target=self._io_loop, daemon=True, name="grammar-pool-io").start()
         threading.Thread(target=self._load_loop, daemon=True, name="grammar-pool-load").start()
@@ -65,6 +69,7 @@ class CompilePoolClient:
     def close(self) -> None:
         self._closed.set()
         self._results.put(None)
+        self._rebuilder.shutdown(wait=False, cancel_futures=True)
 
     def _send(self, frame: bytes) -> None:
         self._outbox.put(frame)
@@ -104,18 +109,27 @@ class CompilePoolClient:
                 entry = self._futures.get(key)
             if entry is None:  # released meanwhile, or a duplicate
                 continue
-            future, backend = entry
-            start = time.thread_time()
-            value = self._load(backend, header, frames[1])
-            self.load_cpu_seconds += time.thread_time() - start
-            with self._lock:
-                if self._futures.get(key) is entry:
-                    del self._futures[key]
-                    future.set_result(value)
+            if header.fmt == "rebuild":  # too large to ship: compile it here, off this thread
+                self._rebuilder.submit(self._finish, key, entry, header, None)
+            else:
+                self._finish(key, entry, header, frames[1])
 
-    def _load(self, backend, header, data: bytes):
+    def _finish(self, key, entry, header, data: Optional[bytes]) -> None:
+        future, backend = entry
+        start = time.thread_time()
+        value = self._load(backend, header, data)
+        self.load_cpu_seconds += time.thread_time() - start
+        with self._lock:
+            if self._futures.get(key) is entry:
+                del self._futures[key]
+                future.set_result(value)
+
+    def _load(self, backend, header, data: Optional[bytes]):
         try:
-            value = backend.load_exported(header.fmt, data)
+            if data is None:  # the pool compiled it in time; it was too large to ship
+                value = backend.dispatch((header.kind, header.spec))
+            else:
+                value = backend.load_exported(header.fmt, data)
         except Exception as e:  # a library that cannot read its own export: say so
             value = InvalidGrammarObject(f"Failed to compile {header.kind} grammar: the compiled "
                                          f"grammar could not be loaded ({type(e).__name__}: {e})")
@@ -124,7 +138,7 @@ class CompilePoolClient:
         metrics = backend.metrics
         metrics.observe_compile(header.dispatch_type, header.kind, header.compile_time,
                                 isinstance(value, InvalidGrammarObject))
-        for reason, outcome in header.fallbacks:
+        for reason, outcome in header.fallbacks if data is not None else ():  # dispatch counted its own
             metrics.count_fallback(reason, outcome)
         return value
 

@@ -10,8 +10,8 @@ threads, as before issue 17). In each, --streams streaming requests (ignore_eos,
 --output-len tokens) run twice: alone, and with one json_schema request sent a second in
 whose compile is slow (six strings with distinct maxLength bounds: ~9 s of xgrammar on
 these machines, ~400 MB exported). The table gives the median and p99 inter-token latency
-of the streams over the whole run, the ratio with/without the compile, and how the slow
-request ended. Compare rows of one run only.
+of the streams over the whole run (medians over --repeats alternated pairs), the ratio
+with/without the compile, and how the slow request ended. Compare rows of one run only.
 """
 from __future__ import annotations
 
@@ -59,10 +59,18 @@ async def one_run(base: str, args, with_compile: bool, salt: str) -> dict:
             "failed": len(failed), "slow": slow_status}
 
 
+def merged(runs: list[dict]) -> dict:
+    """Medians over repeats; the slow request's outcomes listed."""
+    return {"median": float(np.median([r["median"] for r in runs])),
+            "p99": float(np.median([r["p99"] for r in runs])),
+            "slow": "; ".join(r["slow"] for r in runs if r["slow"])}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--output-len", type=int, default=200)
+    p.add_argument("--output-len", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", default="pool,threads")
     p.add_argument("--server-args", default="--disable-torch-compile --max-running-requests 16")
     args = p.parse_args()
@@ -73,10 +81,12 @@ def main() -> None:
         os.environ["GRAMSYNC_GRAMMAR_COMPILE_WORKERS"] = "0" if mode == "threads" else "2"
         with launched_server(free_port(), args.server_args) as base:
             asyncio.run(one_run(base, args, False, f"warm-{mode}"))  # warm-up
-            alone = asyncio.run(one_run(base, args, False, f"alone-{mode}"))
-            busy = asyncio.run(one_run(base, args, True, f"busy-{mode}-{time.time()}"))
-            print(mode, "alone", alone, "\n", mode, "with compile", busy, flush=True)
-            rows.append((mode, alone, busy))
+            alones, busies = [], []
+            for r in range(args.repeats):  # alternated, so drift hits both alike
+                alones.append(asyncio.run(one_run(base, args, False, f"alone-{mode}-{r}")))
+                busies.append(asyncio.run(one_run(base, args, True, f"busy-{mode}-{r}-{time.time()}")))
+                print(mode, r, "alone", alones[-1], "\n", mode, r, "with compile", busies[-1], flush=True)
+            rows.append((mode, merged(alones), merged(busies)))
     print("\n| compiles on | ITL median alone | with compile | ratio | ITL p99 alone | with compile "
           "| ratio | slow request |\n|---|---|---|---|---|---|---|---|")
     for mode, a, b in rows:

@@ -51,6 +51,9 @@ def _tp_rank() -> int:
 class RankSkewBackend(XGrammarGrammarBackend):
     name = "rankskew"
 
+    def can_use_compile_pool(self) -> bool:
+        return False  # its skew is per rank: each rank must compile on its own threads
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rank = _tp_rank()

@@ -170,3 +170,40 @@ def test_released_compile_is_killed_within_a_second(pool):
         assert not isinstance(ok, InvalidGrammarObject)
     finally:
         client.close()
+
+
+def test_crashed_worker_fails_only_its_grammar(pool):
+    service, address, backend = pool
+    client = CompilePoolClient(address, "[r0]")
+    try:
+        idle_workers(service)
+        future = client.submit(("json_schema", SLOW.replace("p0", f"c{uuid.uuid4().hex[:6]}")), backend)
+        busy_worker(service).kill()  # as the kernel's OOM killer would
+        value = future.result(30)
+        assert isinstance(value, InvalidGrammarObject)
+        assert "the compiler process died while compiling it (exit code -9)" in value.message
+        ok = client.submit(("regex", "[0-9]+x"), backend).result(60)  # a fresh worker serves on
+        assert not isinstance(ok, InvalidGrammarObject)
+    finally:
+        client.close()
+
+
+def test_grammar_too_large_to_ship_is_rebuilt_on_the_rank(monkeypatch, smollm2_tokenizer):
+    """xgrammar's JSON export grows much faster than the grammar (a 42 MB grammar needs more
+    than 8 GB): past MAX_EXPORT_BYTES a worker answers "rebuild" and the rank compiles it."""
+    import constrained.xgrammar_backend as xgb
+    from srt.grammar_pool.messages import CompileResult
+
+    backend = XGrammarGrammarBackend.from_tokenizer(smollm2_tokenizer, GrammarBackendConfig(VOCAB, EOS, JsonOptions()))
+    key = ("json_schema", PERSON)
+    assert backend.init_value(key).export()[0] == "xgrammar"
+    monkeypatch.setattr(xgb, "MAX_EXPORT_BYTES", 0)
+    assert backend.init_value(key).export() == ("rebuild", b"")
+    client = CompilePoolClient("ipc:///nonexistent/pool", "[r0]")  # only its loading is used
+    try:
+        header = CompileResult(key[0], key[1], "rebuild", 1.5, 1.4, "xgrammar")
+        grammar = client._load(backend, header, None)
+        assert grammar.stats.compile_time == 1.5 and grammar.stats.dispatch_type == "xgrammar"
+        assert accepts(grammar, smollm2_tokenizer, '{"name": "Ann", "age": 7}')
+    finally:
+        client.close()

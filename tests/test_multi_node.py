@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import psutil
@@ -96,8 +97,13 @@ def test_torchrun_two_nodes_one_tp_group(tmp_path, smollm2_dir):
         # One grammar compile pool per node (each node's ranks share theirs).
         assert titles == ["gramsync::frontend", "gramsync::grammar_pool_node0", "gramsync::grammar_pool_node1",
                           "gramsync::scheduler_DP0_TP0", "gramsync::scheduler_DP0_TP1"], titles
-        for node in (0, 1):
-            assert any(t.startswith(f"gramsync::grammar_compile_node{node}_") for t in every), every
+        def workers_up() -> bool:  # forked once the pool has built its backend
+            titles = [" ".join(p.cmdline()) for n in nodes for p in _descendants(n)]
+            return all(any(t.startswith(f"gramsync::grammar_compile_node{k}_") for t in titles) for k in (0, 1))
+        deadline = time.monotonic() + 30
+        while not workers_up():
+            assert time.monotonic() < deadline, "no compile workers on some node"
+            time.sleep(0.2)
         schema = '{"type":"object","properties":{"n":{"type":"integer"}},"required":["n"]}'
         out = _generate(base, "A JSON object with a number:", max_new_tokens=24, temperature=0,
                         json_schema=schema)

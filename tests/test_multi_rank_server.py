@@ -483,7 +483,8 @@ def test_torchrun_tp2_constrained_and_clean_stop(tmp_path, smollm2_dir):
         # One grammar compile pool for the node, shared by its two ranks.
         assert titles == ["gramsync::frontend", "gramsync::grammar_pool_node0",
                           "gramsync::scheduler_DP0_TP0", "gramsync::scheduler_DP0_TP1"], titles
-        assert any(_title(p).startswith("gramsync::grammar_compile_node0_") for p in seen)
+        _wait_until(lambda: any(_title(p).startswith("gramsync::grammar_compile_node0_")
+                                for p in _descendants(proc)), 30, "the pool's compile workers")
 
         res = _generate(base, "My phone number is ", regex=PHONE_REGEX, max_new_tokens=16,
                         temperature=0)

@@ -66,6 +66,10 @@ class CompilePoolClient:
                 return
         self._send(TASK_CODEC.encode(CompileRelease(*key)))
 
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
     def close(self) -> None:
         self._closed.set()
         self._results.put(None)

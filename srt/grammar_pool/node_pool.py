@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import time
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,27 +29,20 @@ class NodePool:
         from srt.grammar_pool.client import CompilePoolClient
 
         self.client = CompilePoolClient(self.address, log_prefix)
-        self._wait_ready(backend)
         backend.attach_compile_pool(self.client)
+        if self.service is not None:
+            threading.Thread(target=self._watch, args=(log_prefix,), daemon=True,
+                             name="grammar-pool-watch").start()
         return True
 
-    def _wait_ready(self, backend) -> None:
-        """Ready means a worker compiles: one tiny compile, end to end (one per node: the
-        ranks share it), before the rank reports ready."""
-        from concurrent.futures import TimeoutError as FutureTimeout
-
-        future = self.client.submit(("regex", "[01]"), backend)
-        deadline = time.monotonic() + environ.GRAMSYNC_STARTUP_TIMEOUT.get()
-        while time.monotonic() < deadline:
-            if self.service is not None and self.service.poll() is not None:
-                raise RuntimeError(f"the grammar compile pool exited with code "
-                                   f"{self.service.returncode} while starting; see its log above")
-            try:
-                future.result(0.2)
-                return
-            except FutureTimeout:
-                continue
-        raise RuntimeError("the grammar compile pool did not start within GRAMSYNC_STARTUP_TIMEOUT")
+    def _watch(self, log_prefix: str) -> None:
+        """The service builds its backend while the model loads and is ready seconds after;
+        the rank does not wait for it (a compile asked meanwhile just waits). If it dies,
+        say so: grammar requests would then end at the poll budget."""
+        code = self.service.wait()
+        if self.client is not None and not self.client.closed:
+            logger.error("%s the grammar compile pool exited with code %s; constrained requests "
+                         "will time out (see its log above)", log_prefix, code)
 
     def close(self) -> None:
         if self.client is not None:

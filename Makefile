@@ -23,7 +23,7 @@ serve: setup
 	$(PY) launch.py $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

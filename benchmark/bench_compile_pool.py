@@ -31,7 +31,7 @@ sys.path.insert(0, REPO)
 from constrained.registry import create_grammar_backend  # noqa: E402
 from srt.grammar_pool.client import CompilePoolClient  # noqa: E402
 from srt.grammar_pool.messages import pool_address  # noqa: E402
-from srt.grammar_pool.service import PoolConfig, start_pool_service  # noqa: E402
+from srt.grammar_pool.service import STOP_SIGNAL, PoolConfig, start_pool_service  # noqa: E402
 from srt.server_args import ServerArgs  # noqa: E402
 
 VOCAB, EOS = 49152, (2,)
@@ -73,7 +73,7 @@ def pool_cpu(args, backend, ranks: int, keys) -> float:
             f.result(600)
         return tree_cpu(proc) - before + sum(c.load_cpu_seconds - b for c, b in zip(clients, loads))
     finally:
-        service.kill()
+        service.send_signal(STOP_SIGNAL)  # it removes its socket directory
         service.wait(10)
 
 

@@ -61,8 +61,8 @@ FUZZ_BUDGET_S = 60.0  # the whole fuzz (all phases) must take less than this
 TP2_FRACTION = 0.08  # of each category's cases (scenarios: all; loop blockers: none)
 TP2_API_FRACTION = 0.2  # of the newer API fields' cases (categories api_*)
 TP2_MIN_PER_CATEGORY = 3
-TP2_DEADLINE_S = 30.0  # concurrent cases not started by then are not sent (counted in the summary)
-TP2_BUDGET_S = 90.0  # deadline + the slowest case (REQUEST_TIMEOUT_S) + scenarios
+TP2_DEADLINE_S = 15.0  # concurrent cases not started by then are not sent (counted in the summary)
+TP2_BUDGET_S = 75.0  # deadline + the slowest case (REQUEST_TIMEOUT_S) + scenarios
 GREEDY = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
 
 JSON_CT = {"Content-Type": "application/json"}

@@ -5,6 +5,7 @@ compile, and a compile past its timeout (or no longer wanted) is killed at once.
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 
@@ -19,7 +20,7 @@ from constrained.registry import create_grammar_backend
 from constrained.xgrammar_backend import XGrammarGrammarBackend
 from srt.grammar_pool.client import CompilePoolClient
 from srt.grammar_pool.messages import pool_address
-from srt.grammar_pool.service import PoolConfig, start_pool_service
+from srt.grammar_pool.service import STOP_SIGNAL, PoolConfig, start_pool_service
 from srt.server_args import ServerArgs
 
 VOCAB, EOS = 49152, (2,)
@@ -69,8 +70,9 @@ def pool(smollm2_dir, smollm2_tokenizer):
     try:
         yield service, address, backend
     finally:
-        service.kill()
+        service.send_signal(STOP_SIGNAL)  # as the rank's death does (parent-death signal)
         service.wait(10)
+    assert not os.path.exists(directory)  # it removed its socket directory
 
 
 def workers(service) -> list[psutil.Process]:

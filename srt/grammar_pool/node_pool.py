@@ -48,8 +48,13 @@ class NodePool:
         if self.client is not None:
             self.client.close()
         if self.service is not None and self.service.poll() is None:
-            self.service.kill()
-            self.service.wait(5)
+            from srt.grammar_pool.service import STOP_SIGNAL
+
+            self.service.send_signal(STOP_SIGNAL)  # it removes its socket directory
+            try:
+                self.service.wait(5)
+            except subprocess.TimeoutExpired:
+                self.service.kill()
 
 
 def start_node_pool(server_args, rank_info, shared_token: str, vocab_size: int,

@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 Key = tuple[str, str]
 TIMEOUT_MESSAGE = ("Grammar compile timed out: the {kind} grammar did not compile within {t:g} s "
                    "(GRAMSYNC_GRAMMAR_COMPILE_TIMEOUT); its compile was stopped.")
+# How the service is told to stop (by its rank, or the kernel when the rank dies): SIGTERM
+# and SIGINT are ignored, since they reach the whole process group during a drain.
+STOP_SIGNAL = signal.SIGUSR1
 MAX_FAILED_STARTS = 3
 # A compile nobody waits for any more is killed once it has run this long: most compiles
 # end sooner, and a fresh worker costs seconds of CPU to start.
@@ -267,7 +271,13 @@ def main() -> None:
     from srt.process_utils import die_with_parent
 
     config: PoolConfig = pickle.load(sys.stdin.buffer)
-    die_with_parent()  # never outlive the rank that started it
+
+    def stop(signum, frame) -> None:  # the rank is gone or closed us: leave no socket file
+        shutil.rmtree(config.directory, ignore_errors=True)
+        os._exit(0)  # the workers follow (their parent-death signal)
+
+    signal.signal(STOP_SIGNAL, stop)
+    die_with_parent(STOP_SIGNAL)  # never outlive the rank that started it
     # A stop signal to the rank's process group (Ctrl-C, a drain) is for the rank: the pool
     # serves on while it drains and goes when the rank does (parent-death signal).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -280,8 +290,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    backend = build_backend(config)  # once, at normal priority: the server waits for it
-    priority = lowest_cpu_priority()  # from here on (and in every worker), only idle cores
+    # Built once, at the lowest priority like everything here: it overlaps the model load
+    # without slowing it; a compile asked before it is ready waits for it.
+    priority = lowest_cpu_priority()
+    backend = build_backend(config)
     logger.info("%d compile workers, timeout %g s, %s", config.num_workers, config.timeout_s, priority)
     PoolService(config, backend).run()
 

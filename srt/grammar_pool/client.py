@@ -146,6 +146,3 @@ class CompilePoolClient:
             metrics.count_fallback(reason, outcome)
         return value
 
-
-def connect_or_none(address: Optional[str], log_prefix: str = "") -> Optional[CompilePoolClient]:
-    return CompilePoolClient(address, log_prefix) if address else None

@@ -1,55 +1,26 @@
-"""``--grammar-backend auto``: xgrammar first, llguidance per request when xgrammar rejects
-the spec or the spec uses a feature xgrammar is known to approximate silently.
+"""``--grammar-backend auto``: per json_schema request, the exact grammar if a library has
+one, else the closest approximation (README "Structured outputs"); other kinds go to
+xgrammar, and to llguidance when xgrammar rejects the spec.
 
-xgrammar (0.2.x) compiles oneOf as anyOf, only partly enforces allOf, ignores length
-bounds next to a pattern, drops not/if/uniqueItems/contains, and drops multipleOf on numbers
-and on integers in ranges too large to enumerate (every integer, once bounded by default);
-llguidance enforces those or rejects the schema. A schema llguidance rejects gets xgrammar's
-approximation rather than a 400 (what --grammar-backend xgrammar serves). Why a request went
-where it did is in its GrammarStats,
-and each fallback is counted by reason and outcome in ``self.metrics`` (--enable-metrics)."""
+json_schema, in order (schema_coverage.py decides what is exact):
+1. xgrammar, when it enforces every keyword (its mask fill and fast-forward are the fastest);
+2. llguidance in its default mode, which refuses any keyword it does not enforce;
+3. not strict: whichever approximation drops fewer keywords -- llguidance lenient (oneOf as
+   anyOf, unsupported keywords dropped) or xgrammar; llguidance on a tie (it enforces the
+   rest exactly). The frontend validates those documents.
+A strict schema that neither serves exactly is refused with the gaps of the closer one.
+Why a request went where it did is in its GrammarStats, and each fallback is counted by
+reason and outcome in ``self.metrics`` (--enable-metrics)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
 
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, clean_error
 from constrained.grammar_config import GrammarBackendConfig, json_layout
 from constrained.grammar_metrics import fallback_label
 from constrained.llguidance_backend import GuidanceBackend
+from constrained.schema_coverage import StrictSchemaError, xgrammar_gaps
 from constrained.xgrammar_backend import XGrammarGrammarBackend
-
-_XGRAMMAR_APPROXIMATES = ("oneOf", "not", "if", "uniqueItems", "contains", "dependentRequired",
-                          "dependentSchemas", "patternProperties", "propertyNames", "multipleOf")
-
-
-def xgrammar_known_issue(spec: str) -> Optional[str]:
-    """The first JSON-schema feature xgrammar would approximate, or None."""
-    found: list[str] = []
-
-    def walk(node: Any) -> None:
-        if found:
-            return
-        if isinstance(node, dict):
-            for key in _XGRAMMAR_APPROXIMATES:
-                if key in node:
-                    found.append(key)
-                    return
-            if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-                found.append("allOf")
-                return
-            if "pattern" in node and ("minLength" in node or "maxLength" in node):
-                found.append("pattern with minLength/maxLength")
-                return
-            for key, value in node.items():
-                if key not in ("enum", "const", "default", "examples"):  # data, not schema
-                    walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-
-    walk(json.loads(spec))
-    return found[0] if found else None
 
 
 class AutoGrammarBackend(BaseGrammarBackend):
@@ -72,40 +43,69 @@ class AutoGrammarBackend(BaseGrammarBackend):
                    GuidanceBackend.from_tokenizer(tokenizer, config), config)
 
     def dispatch(self, key: tuple[str, str]) -> BaseGrammarObject:
-        kind, spec = key
-        reason, to_guidance = None, False  # to_guidance: only llguidance can serve it
-        if kind == "json_schema":
-            if self.json_to_guidance:
-                reason, to_guidance = "--constrained-json-whitespace-pattern", True
-            elif "whitespace_pattern" in (json_layout(spec) or {}):
-                reason, to_guidance = "a per-request whitespace_pattern", True
-            else:
-                reason = xgrammar_known_issue(spec)
-            reason = reason and f"uses {reason}"
-        if reason is None:
-            try:
-                value = self.xgrammar.dispatch(key)
-                value.stats.dispatch_type = "xgrammar"
-                return value
-            except Exception as e:
-                reason = f"xgrammar rejected it: {clean_error(e)}"
+        if key[0] == "json_schema":
+            return super().dispatch(key)  # its checks, then compile_json_schema
+        try:
+            value = self.xgrammar.dispatch(key)
+            value.stats.dispatch_type = "xgrammar"
+            return value
+        except Exception as e:
+            reason = f"xgrammar rejected it: {clean_error(e)}"
         label = fallback_label(reason)
         try:
             value = self.guidance.dispatch(key)
         except Exception as e:
-            reason = f"{reason}; llguidance: {clean_error(e)}"
-            if reason.startswith("xgrammar rejected it") or to_guidance:
-                self.metrics.count_fallback(label, "failed")
-                raise ValueError(reason) from None
-            return self._approximate(key, reason, label)
+            self.metrics.count_fallback(label, "failed")
+            raise ValueError(f"{reason}; llguidance: {clean_error(e)}") from None
         value.stats.dispatch_type = f"llguidance (fallback: {reason})"
         self.metrics.count_fallback(label, "llguidance")
         return value
 
-    def _approximate(self, key: tuple[str, str], reason: str, label: str) -> BaseGrammarObject:
-        """llguidance refused a spec xgrammar only approximates: serve xgrammar's reading."""
+    def dispatch_json_schema(self, spec: str) -> BaseGrammarObject:
+        return self.compile_json_schema(spec, False)
+
+    def compile_json_schema(self, spec: str, strict: bool) -> BaseGrammarObject:
+        only_guidance = None  # whitespace patterns: only llguidance has them
+        if self.json_to_guidance:
+            only_guidance = "--constrained-json-whitespace-pattern"
+        elif "whitespace_pattern" in (json_layout(spec) or {}):
+            only_guidance = "a per-request whitespace_pattern"
+        x_gaps, x_error = xgrammar_gaps(json.loads(spec)), None
+        if only_guidance is None and not x_gaps:
+            try:
+                value = self.xgrammar.compile_json_schema(spec, strict)
+                value.stats.dispatch_type = "xgrammar"
+                return value
+            except Exception as e:
+                x_error = clean_error(e)
+        reason = (f"uses {only_guidance}" if only_guidance else f"xgrammar rejected it: {x_error}"
+                  if x_error else f"uses {x_gaps[0].keyword}")
+        label = fallback_label(reason)
         try:
-            value = self.xgrammar.dispatch(key)
+            value = self.guidance.compile_json_schema(spec, strict)
+        except StrictSchemaError as e:  # strict, and neither library is exact: the closer one's gaps
+            self.metrics.count_fallback(label, "failed")
+            gaps = e.gaps if only_guidance or x_error or len(e.gaps) <= len(x_gaps) else x_gaps
+            raise StrictSchemaError(gaps, "no grammar library enforces") from None
+        except Exception as e:
+            if only_guidance or x_error:
+                self.metrics.count_fallback(label, "failed")
+                raise ValueError(f"{reason}; llguidance: {clean_error(e)}") from None
+            return self._xgrammar_approximation(spec, reason, label, x_gaps, strict)
+        if value.stats.gaps and not only_guidance and not x_error and len(x_gaps) < len(value.stats.gaps):
+            return self._xgrammar_approximation(spec, reason, label, x_gaps, strict)
+        kind = "approximate" if value.stats.gaps else "fallback"
+        value.stats.dispatch_type = f"llguidance ({kind}: {reason})"
+        self.metrics.count_fallback(label, "llguidance_approximation" if value.stats.gaps else "llguidance")
+        return value
+
+    def _xgrammar_approximation(self, spec: str, reason: str, label: str, gaps, strict: bool) -> BaseGrammarObject:
+        """llguidance refused the schema, or drops more of it: serve xgrammar's reading."""
+        if strict:
+            self.metrics.count_fallback(label, "failed")
+            raise StrictSchemaError(gaps, "no grammar library enforces")
+        try:
+            value = self.xgrammar.compile_json_schema(spec, False)
         except Exception as e:
             self.metrics.count_fallback(label, "failed")
             raise ValueError(f"{reason}; xgrammar: {clean_error(e)}") from None

@@ -21,6 +21,7 @@ import torch
 from constrained.bitmask_ops import allocate_token_bitmask, apply_token_bitmask_inplace
 from constrained.grammar_config import JSON_LAYOUT_KEY, json_layout
 from constrained.grammar_metrics import GrammarMetrics
+from constrained.schema_coverage import StrictSchemaError, split_strict
 from constrained.schema_refs import check_no_external_refs
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class GrammarStats:
     cache_hit: bool = False
     dispatch_type: str = ""  # the backend that compiled it; auto adds why it fell back
     num_timeouts: int = 0  # poll budgets this key exhausted before it compiled
+    # json_schema: the keywords the grammar does not enforce ("uniqueItems at #/tags"),
+    # schema_coverage.py; empty = exact (every admitted document is valid).
+    gaps: tuple[str, ...] = ()
 
 
 class BaseGrammarObject:
@@ -112,6 +116,14 @@ class BaseGrammarObject:
         return []
 
 
+def fresh_copy(value: BaseGrammarObject) -> BaseGrammarObject:
+    """A new matcher over ``value``'s grammar, with what its stats say about the grammar."""
+    twin = value.copy()
+    if twin is not value:
+        twin.stats.dispatch_type, twin.stats.gaps = value.stats.dispatch_type, value.stats.gaps
+    return twin
+
+
 class InvalidGrammarObject(BaseGrammarObject):
     """A compile failure, cached like a success so a bad spec is not compiled twice."""
 
@@ -183,7 +195,20 @@ class BaseGrammarBackend:
         method = getattr(self, f"dispatch_{kind}", None)
         if method is None:
             raise ValueError(f"the {self.name} grammar backend does not support {kind} constraints")
+        if kind == "json_schema":
+            return self.compile_json_schema(*split_strict(spec))
         return method(spec)
+
+    def compile_json_schema(self, spec: str, strict: bool) -> BaseGrammarObject:
+        """A json_schema grammar with ``stats.gaps`` set (schema_coverage.py). ``strict``: exact
+        or a ValueError naming the gaps. Backends that know what they enforce override this; a
+        plugin's grammar counts as approximate (its documents are validated)."""
+        if strict:
+            raise StrictSchemaError([], f"the {self.name} grammar backend does not say which keywords "
+                                    "it enforces")
+        value = self.dispatch_json_schema(spec)
+        value.stats.gaps = (f"(the {self.name} backend does not say which keywords it enforces)",)
+        return value
 
     def init_value(self, key: GrammarKey) -> BaseGrammarObject:
         """Compile ``key``; never raises: a failure becomes an InvalidGrammarObject."""
@@ -221,7 +246,7 @@ class BaseGrammarBackend:
         value = self._cache.get(key)
         if value is not None:
             self._cache.move_to_end(key)
-            copy = value.copy()
+            copy = fresh_copy(value)
             copy.stats.cache_hit = True
             self.metrics.count("cache_hits")
             return copy, True

@@ -17,7 +17,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
+from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject, fresh_copy
+from constrained.schema_coverage import GrammarReport
 from constrained.grammar_metrics import GrammarMetrics
 from distributed.grammar_agreement import agree_on_grammar_status
 from distributed.parallel_state import TPGroup
@@ -107,7 +108,7 @@ class GrammarManager:
         for req in ready_reqs:
             value = req.grammar_future.result()
             self.backend.set_cache(req.grammar_key, value)
-            self._attach(req, value.copy())
+            self._attach(req, fresh_copy(value))
         for req, message in failed_pairs:
             self._fail(req, message)
         return ready_reqs, [req for req, _ in failed_pairs]
@@ -129,6 +130,8 @@ class GrammarManager:
             return
         value.maybe_init_reasoning(req.require_reasoning)
         req.grammar = value
+        req.grammar_report = GrammarReport(value.stats.dispatch_type.split(" ", 1)[0],
+                                           not value.stats.gaps, value.stats.gaps)
         logger.debug("%s %s grammar ready: %s", self.log_prefix, req.rid, value.stats)
 
     def _fail(self, req, message: str) -> None:

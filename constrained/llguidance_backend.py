@@ -6,16 +6,20 @@ grammar fails with an error instead of running for minutes. Each request gets a
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance as llg
 import llguidance.hf
 import llguidance.torch
 import torch
 
-from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
+from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, clean_error
 from constrained.grammar_config import GrammarBackendConfig, JsonOptions, split_json_layout
 from constrained.json_number_bounds import LLGUIDANCE_BOUNDS, bound_numbers
 from constrained.json_one_of import exclusive_one_of
+from constrained.schema_coverage import (
+    STANDARD_FORMATS, Gap, StrictSchemaError, keyword_gaps, schema_nodes,
+)
 from constrained.structural_tag_lark import structural_tag_to_lark
 from constrained.xgrammar_backend import _structures
 
@@ -146,6 +150,41 @@ class GuidanceGrammar(BaseGrammarObject):
         return twin
 
 
+_DRAFTS = re.compile(r"^https?://json-schema\.org/(draft-0[3467]/schema|draft/20(19-09|20-12)/schema)#?$")
+
+
+def without_unknown_draft(schema):
+    """The schema without a ``$schema`` that names no JSON Schema draft (Snowplow's
+    ``iglu:`` URIs): llguidance would try to resolve it, and fail; validators read 2020-12."""
+    if isinstance(schema, dict) and isinstance(schema.get("$schema"), str) and not _DRAFTS.match(schema["$schema"]):
+        return {k: v for k, v in schema.items() if k != "$schema"}
+    return schema
+
+
+def _warnings(grammar: str) -> list[str]:
+    return list(llg.LLMatcher.validate_grammar_with_warnings(grammar)[1])
+
+
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+
+
+def lenient_gaps(schema, warnings: list[str]) -> list:
+    """Where the keywords llguidance's lenient mode says it dropped are (schema_coverage)."""
+    keywords, formats = set(), set()
+    for w in warnings:
+        for found in _UNIMPLEMENTED.findall(w):
+            keywords.update(json.loads(found))
+        formats.update(_UNKNOWN_FORMAT.findall(w))
+        if "oneOf" in w:
+            keywords.add("oneOf")
+    gaps = keyword_gaps(schema, keywords)
+    if formats & STANDARD_FORMATS:  # others are annotations: no validator asserts them
+        gaps += [Gap("format", path) for node, path in schema_nodes(schema)
+                 if node.get("format") in formats & STANDARD_FORMATS]
+    return gaps
+
+
 def _json_overrides(opts: JsonOptions) -> dict:
     if opts.disable_any_whitespace:
         return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -186,19 +225,47 @@ class GuidanceBackend(BaseGrammarBackend):
             raise ValueError(f"the llguidance backend cannot load a {fmt!r} grammar")
         return self._matcher(data.decode())
 
+    def compile_json_schema(self, spec: str, strict: bool) -> GuidanceGrammar:
+        # In its default mode llguidance refuses every keyword it does not enforce, so what
+        # compiles is exact; otherwise its lenient mode drops those keywords and names them.
+        try:
+            return self.dispatch_json_schema(spec)
+        except ValueError as refused:
+            try:
+                value, warnings, compiled = self._json_matcher(spec, lenient=True)
+            except ValueError:
+                raise refused from None
+        gaps = lenient_gaps(compiled, warnings)  # paths: the compiled schema keeps the user's
+        if not gaps and not warnings:  # refused for a reason lenient mode does not name
+            gaps = [f"(llguidance: {clean_error(refused)})"]
+        if strict and gaps:
+            raise StrictSchemaError(gaps, "the llguidance grammar backend does not enforce")
+        value.stats.gaps = tuple(str(g) for g in gaps)
+        return value
+
     def dispatch_json_schema(self, spec: str) -> GuidanceGrammar:
+        return self._json_matcher(spec, lenient=False)[0]
+
+    def _json_matcher(self, spec: str, lenient: bool) -> tuple[GuidanceGrammar, list[str], object]:
+        """(matcher, llguidance's warnings, the schema compiled). Lenient: unsupported keywords
+        dropped, oneOf read as anyOf (after narrowing what json_one_of can make exact)."""
         spec, opts = split_json_layout(spec, self.json_options)
         overrides = self.json_overrides if opts is self.json_options else _json_overrides(opts)
-        schema = close_objects(json.loads(spec))
+        defaults = {"lenient": True, "coerce_one_of": True} if lenient else None
+        schema = close_objects(without_unknown_draft(json.loads(spec)))
         if not self.unbounded_numbers:
             schema = bound_numbers(schema, LLGUIDANCE_BOUNDS)
+        if lenient and "oneOf" in spec:
+            schema = exclusive_one_of(schema) or schema
         try:
-            return self._matcher(llg.LLMatcher.grammar_from_json_schema(schema, overrides=overrides))
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=defaults, overrides=overrides)
+            return self._matcher(grammar), _warnings(grammar) if lenient else [], schema
         except ValueError as e:  # oneOf it cannot prove disjoint: narrow closed-object branches
             exclusive = exclusive_one_of(schema) if "oneOf" in str(e) else None
             if exclusive is None:
                 raise
-            return self._matcher(llg.LLMatcher.grammar_from_json_schema(exclusive, overrides=overrides))
+            grammar = llg.LLMatcher.grammar_from_json_schema(exclusive, defaults=defaults, overrides=overrides)
+            return self._matcher(grammar), [], exclusive
 
     def _tag_schema(self, schema, max_whitespace):
         """A structural tag's JSON schema with this backend's JSON options (as

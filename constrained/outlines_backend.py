@@ -159,6 +159,10 @@ class OutlinesGrammarBackend(BaseGrammarBackend):
             raise ValueError(f"the outlines backend cannot load a {fmt!r} grammar")
         return OutlinesGrammar(CompiledRegex(oc.Index.from_binary(data), self.eos_token_ids))
 
+    def compile_json_schema(self, spec: str, strict: bool) -> "OutlinesGrammar":
+        # outlines_schema.adapt_schema refuses every keyword it would not enforce: exact.
+        return self.dispatch_json_schema(spec)
+
     def dispatch_json_schema(self, spec: str) -> OutlinesGrammar:
         return self.compile_regex(schema_to_regex(*split_json_layout(spec, self.json_options)))
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 from constrained.json_input import load_json_text, lone_surrogate_path
+from constrained.schema_coverage import with_strict
 from constrained.schema_refs import check_no_external_refs
 
 _GREEDY_EPS = 1e-6
@@ -41,6 +42,9 @@ class SamplingParams:
     n: int = 1  # independent samples of the prompt (the frontend splits them)
     # Constraints (at most one); the grammar backends give them meaning.
     json_schema: Optional[str] = None
+    # OpenAI's ``strict``: served only by a grammar enforcing every keyword, else a 400
+    # (the spec then carries schema_coverage.STRICT_KEY, so it is part of the cache key).
+    json_schema_strict: bool = False
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     choice: Optional[tuple[str, ...]] = None
@@ -77,9 +81,18 @@ class SamplingParams:
         else:
             raise ValueError("stop_token_ids must be a list of integers")
         d["logit_bias"] = _parse_logit_bias(d.get("logit_bias"))
+        if d.get("json_schema_strict", False) is None:
+            d.pop("json_schema_strict")
+        elif not isinstance(d.get("json_schema_strict", False), bool):
+            raise ValueError(f"json_schema_strict must be a boolean, got {d['json_schema_strict']!r}")
+        if d.get("json_schema_strict") and d.get("json_schema") is None:
+            raise ValueError("json_schema_strict needs a json_schema.")
         for name in ("json_schema", "structural_tag"):
             if d.get(name) is not None:
                 d[name] = _canonical_json(name, d[name])
+        if d.get("json_schema_strict"):
+            d["json_schema"] = json.dumps(with_strict(json.loads(d["json_schema"]), True),
+                                          separators=(",", ":"), ensure_ascii=False)
         if d.get("choice") is not None:
             d["choice"] = _parse_choice(d["choice"])
         for name in ("regex", "ebnf", "custom_logit_processor"):

@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from constrained.auto_backend import AutoGrammarBackend, xgrammar_known_issue
+from constrained.auto_backend import AutoGrammarBackend
+from constrained.schema_coverage import xgrammar_gaps
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject
 from constrained.bitmask_ops import allocate_token_bitmask, unpack_bitmask
 from constrained.grammar_config import GrammarBackendConfig, JsonOptions
@@ -180,19 +181,23 @@ def test_auto_falls_back_per_request_and_reports_why(smollm2_tokenizer):
     auto = AutoGrammarBackend.from_tokenizer(smollm2_tokenizer, config())
     plain = auto.init_value(("json_schema", SCHEMA))
     assert plain.stats.dispatch_type == "xgrammar"
-    one_of = json.dumps({"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]})
-    assert xgrammar_known_issue(one_of) == "oneOf"
-    v = auto.init_value(("json_schema", one_of))
-    assert v.stats.dispatch_type == "llguidance (fallback: uses oneOf)"
-    assert accepts(v.copy(), smollm2_tokenizer, "12")
+    one_of = {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]}  # exclusive: as anyOf
+    assert xgrammar_gaps(one_of) == []
+    assert auto.init_value(("json_schema", json.dumps(one_of))).stats.dispatch_type == "xgrammar"
+    all_of = json.dumps({"allOf": [{"type": "integer"}, {"minimum": 3}]})
+    assert [str(g) for g in xgrammar_gaps(json.loads(all_of))] == ["allOf at #", "minimum at #/allOf/1"]
+    v = auto.init_value(("json_schema", all_of))
+    assert v.stats.dispatch_type == "llguidance (fallback: uses allOf)" and v.stats.gaps == ()
+    assert accepts(v.copy(), smollm2_tokenizer, "12") and not accepts(v.copy(), smollm2_tokenizer, "-1")
     lookahead = auto.init_value(("regex", "(?=a)a+"))  # xgrammar rejects lookaround syntax
     assert "xgrammar rejected it" in (lookahead.stats.dispatch_type + getattr(lookahead, "message", ""))
     both_bad = auto.init_value(("json_schema", '{"type":"strin"}'))
     assert isinstance(both_bad, InvalidGrammarObject)
     assert "xgrammar rejected it" in both_bad.message and "llguidance: " in both_bad.message
-    length_pattern = json.dumps({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3})
-    assert xgrammar_known_issue(length_pattern) == "pattern with minLength/maxLength"
-    assert xgrammar_known_issue(json.dumps({"enum": [{"oneOf": 1}]})) is None  # data, not schema
+    length_pattern = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}
+    assert [g.keyword for g in xgrammar_gaps(length_pattern)] == ["maxLength"]
+    assert xgrammar_gaps({"enum": [{"oneOf": 1}]}) == []  # data, not schema
+    assert xgrammar_gaps({"type": "object", "properties": {"not": {"type": "integer"}}}) == []  # a name
     auto.shutdown()
 
 

@@ -151,9 +151,16 @@ def test_constraints_map_to_sampling_params():
     # Equal schemas written differently share one cache key; key order is kept.
     a = _prepare({"json_schema": '{ "type" : "object", "properties": {"b": {}, "a": {}} }'})
     b = _prepare({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "strict": True, "schema": {"type": "object", "properties": {"b": {}, "a": {}}}}}})
+        "name": "x", "schema": {"type": "object", "properties": {"b": {}, "a": {}}}}}})
     assert a.sampling_params.constraint == b.sampling_params.constraint == (
         "json_schema", '{"type":"object","properties":{"b":{},"a":{}}}')
+    # strict is a guarantee (schema_coverage.py): it travels in the spec, so in the cache key.
+    strict = _prepare({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "object", "properties": {"b": {}, "a": {}}}}}})
+    native = SamplingParams.from_dict({"json_schema": {"type": "object", "properties": {"b": {}, "a": {}}},
+                                       "json_schema_strict": True})
+    assert strict.sampling_params.constraint == native.constraint == (
+        "json_schema", '{"type":"object","properties":{"b":{},"a":{}},"x-gramsync-strict":true}')
     assert _prepare({"response_format": {"type": "json_object"}}).sampling_params.json_schema == '{"type":"object"}'
     assert _prepare({"response_format": {"type": "text"}}).sampling_params.constraint is None
 

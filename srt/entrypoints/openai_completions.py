@@ -13,7 +13,7 @@ from srt.entrypoints.openai_protocol import CompletionRequest
 from srt.entrypoints.openai_responses import CompletionChoice, CompletionResponse
 from srt.entrypoints.openai_serving import (
     SSE_DONE, ChoiceStream, OpenAIServing, _finish, choice_outputs, error_response, errors_as_events, sse,
-    usage_of,
+    structured_output, usage_of,
 )
 
 
@@ -42,7 +42,7 @@ async def serve_completions(serving: OpenAIServing, request: Request) -> Respons
         reason, matched = _finish(meta["finish_reason"])
         logprobs = completion_logprobs(meta, out["output_ids"], serving.token_texts) if want_logprobs else None
         choices.append(CompletionChoice(index=i, text=out["text"], logprobs=logprobs,
-                                        finish_reason=reason, matched_stop=matched))
+                                        finish_reason=reason, matched_stop=matched, **structured_output(meta)))
     resp = CompletionResponse(id=f"cmpl-{req.rid}", model=model, usage=usage_of(outs), choices=choices)
     return JSONResponse(resp.model_dump())
 
@@ -73,8 +73,8 @@ async def _stream(serving: OpenAIServing, req, model: str, include_usage: bool,
             delta, st.sent = out["text"][len(st.sent):], out["text"]
             if delta or fr is not None or logprobs is not None:
                 reason, matched = _finish(fr)
-                yield chunk([CompletionChoice(index=i, text=delta, logprobs=logprobs,
-                                              finish_reason=reason, matched_stop=matched)])
+                yield chunk([CompletionChoice(index=i, text=delta, logprobs=logprobs, finish_reason=reason,
+                                              matched_stop=matched, **structured_output(out["meta_info"]))])
             if fr is not None:
                 finals[i] = out
         if include_usage and len(finals) == n:

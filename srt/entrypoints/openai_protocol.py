@@ -28,6 +28,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from constrained.schema_coverage import with_strict
 from sampling.logprobs import MAX_TOP_LOGPROBS
 from srt.entrypoints.vllm_dialect import VllmDialectFields, request_constraint
 from srt.function_call.tools import check_tool_choice, check_tools
@@ -260,7 +261,10 @@ def response_format_constraint(rf: Optional[dict]) -> Optional[tuple[str, Any]]:
                          '{"name": ..., "schema": {...}}')
     if not isinstance(spec["schema"], (dict, bool)):
         raise ValueError("response_format.json_schema.schema must be a JSON object")
-    return "json_schema", spec["schema"]
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ValueError(f"response_format.json_schema.strict must be a boolean, got {strict!r}")
+    return "json_schema", with_strict(spec["schema"], bool(strict))
 
 
 _EXTRA_PHRASES = {499: "Client Closed Request"}

@@ -59,6 +59,9 @@ class ChatCompletionChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     matched_stop: Optional[Union[int, str]] = None  # SGLang extension
+    # Structured outputs (README): what served the json_schema, and how its document broke it.
+    grammar: Optional[dict] = Field(default=None, exclude_if=lambda v: v is None)
+    schema_violation: Optional[dict] = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -82,6 +85,9 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     matched_stop: Optional[Union[int, str]] = None
+    # Structured outputs (README): what served the json_schema, and how its document broke it.
+    grammar: Optional[dict] = Field(default=None, exclude_if=lambda v: v is None)
+    schema_violation: Optional[dict] = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -99,6 +105,9 @@ class CompletionChoice(BaseModel):
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     matched_stop: Optional[Union[int, str]] = None
+    # Structured outputs (README): what served the json_schema, and how its document broke it.
+    grammar: Optional[dict] = Field(default=None, exclude_if=lambda v: v is None)
+    schema_violation: Optional[dict] = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):

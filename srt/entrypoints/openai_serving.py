@@ -131,6 +131,18 @@ def _finish(fr: Optional[dict]) -> tuple[Optional[str], Any]:
     return fr["type"], fr.get("matched")
 
 
+def structured_output(meta: dict) -> dict:
+    """A choice's structured-output fields (README): ``grammar`` (what served its json_schema)
+    and ``schema_violation`` (finish_reason "schema_violation": the validator's message,
+    keyword and paths). Empty until the request finishes."""
+    fr, out = meta.get("finish_reason"), {}
+    if fr is not None and meta.get("grammar") is not None:
+        out["grammar"] = meta["grammar"]
+    if fr is not None and fr["type"] == "schema_violation":
+        out["schema_violation"] = {k: fr[k] for k in ("message", "keyword", "path", "schema_path")}
+    return out
+
+
 class OpenAIServing:
     def __init__(self, tokenizer_manager: TokenizerManager, served_model_name: str):
         self.tm = tokenizer_manager
@@ -191,7 +203,8 @@ class OpenAIServing:
             message, reason = tools.message(out["text"], reason)
             logprobs = chat_logprobs(meta, out["output_ids"], self.token_texts) if body.logprobs else None
             choices.append(ChatCompletionChoice(index=i, message=ChatMessageOut(**message), logprobs=logprobs,
-                                                finish_reason=reason, matched_stop=matched))
+                                                finish_reason=reason, matched_stop=matched,
+                                                **structured_output(meta)))
         resp = ChatCompletionResponse(id=f"chatcmpl-{req.rid}", model=model, usage=usage_of(outs), choices=choices)
         return JSONResponse(resp.model_dump())
 
@@ -199,11 +212,13 @@ class OpenAIServing:
                            ) -> AsyncIterator[str]:
         created = int(time.time())
 
-        def chunk(delta: DeltaMessage, reason=None, matched=None, index: int = 0, logprobs=None) -> str:
+        def chunk(delta: DeltaMessage, reason=None, matched=None, index: int = 0, logprobs=None,
+                  meta: Optional[dict] = None) -> str:
             return sse(ChatCompletionChunk(
                 id=f"chatcmpl-{req.rid}", created=created, model=model,
                 choices=[ChatCompletionStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                                    finish_reason=reason, matched_stop=matched)],
+                                                    finish_reason=reason, matched_stop=matched,
+                                                    **structured_output(meta or {}))],
             ))
 
         for i in range(req.sampling_params.n):
@@ -242,7 +257,7 @@ class OpenAIServing:
                 last_deltas, reason = st.tools.finish(reason)
                 for delta in last_deltas:
                     yield chunk(DeltaMessage(**delta), index=i)
-                yield chunk(DeltaMessage(), reason, matched, index=i)
+                yield chunk(DeltaMessage(), reason, matched, index=i, meta=out["meta_info"])
         if include_usage and len(finals) == n:
             yield sse(ChatCompletionChunk(id=f"chatcmpl-{req.rid}", created=created, model=model,
                                           choices=[], usage=usage_of([finals[i] for i in range(n)])))

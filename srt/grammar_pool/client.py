@@ -139,6 +139,7 @@ class CompilePoolClient:
                                          f"grammar could not be loaded ({type(e).__name__}: {e})")
         value.stats.compile_time = header.compile_time
         value.stats.dispatch_type = header.dispatch_type
+        value.stats.gaps = header.gaps
         metrics = backend.metrics
         metrics.observe_compile(header.dispatch_type, header.kind, header.compile_time,
                                 isinstance(value, InvalidGrammarObject))

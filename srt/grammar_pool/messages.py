@@ -39,6 +39,7 @@ class CompileResult:
     cpu_time: float  # CPU seconds the worker spent, export included
     dispatch_type: str  # GrammarStats.dispatch_type
     fallbacks: tuple[tuple[str, str], ...] = ()  # auto's (reason, outcome) counts, one each
+    gaps: tuple[str, ...] = ()  # GrammarStats.gaps: what the grammar does not enforce
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,8 @@ def compile_one(backend, task: CompileTask) -> tuple[bytes, bytes]:
     after = backend.metrics.snapshot().auto_fallbacks
     fallbacks = tuple(k for k, n in after.items() for _ in range(n - before.get(k, 0)))
     header = CompileResult(task.kind, task.spec, fmt, time.perf_counter() - wall,
-                           time.process_time() - cpu, value.stats.dispatch_type, fallbacks)
+                           time.process_time() - cpu, value.stats.dispatch_type, fallbacks,
+                           tuple(value.stats.gaps))
     return RESULT_CODEC.encode(header), data
 
 

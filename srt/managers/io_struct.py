@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from constrained.schema_coverage import GrammarReport
 from sampling.sampling_params import SamplingParams
 from srt.managers.wire import MessageCodec
 from srt.metrics.messages import SchedulerMetrics  # --enable-metrics: entry rank -> frontend
@@ -94,6 +95,8 @@ class BatchTokenOut:
     # once, with the first message after the prompt was prefilled); None where not asked.
     output_logprobs: tuple[Optional[TokenLogprobs], ...] = ()
     input_logprobs: tuple[Optional[TokenLogprobs], ...] = ()
+    # Constrained requests, with their final message: what served the grammar (else None).
+    grammar_reports: tuple[Optional[GrammarReport], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ class Req:
         # Constrained generation (constrained/grammar_manager.py).
         self.require_reasoning = require_reasoning
         self.grammar = None  # BaseGrammarObject once compiled and agreed on
+        self.grammar_report = None  # GrammarReport of that grammar, for the frontend
         self.grammar_key: Optional[tuple[str, str]] = None
         self.grammar_future = None  # Future while waiting in the grammar queue
         self.grammar_wait_ct = 0  # scheduler polls spent waiting (identical on every rank)

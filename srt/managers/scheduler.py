@@ -455,6 +455,7 @@ class Scheduler:
             deltas.append(tuple(r.output_ids[r.sent_len:]))
             r.sent_len = len(r.output_ids)
         any_lp = any(lp is not None for lp in out_lps)
+        reports = tuple(r.grammar_report if r.finished else None for r in picked)
         return [BatchTokenOut(
             rids=tuple(r.rid for r in picked),
             new_token_ids=tuple(deltas),
@@ -465,6 +466,7 @@ class Scheduler:
             fast_forward_tokens=tuple(r.fast_forward_tokens for r in picked),
             output_logprobs=tuple(out_lps) if any_lp else (),
             input_logprobs=tuple(in_lps) if any_lp else (),
+            grammar_reports=reports if any(reports) else (),
         )]
 
     # ---- loop ------------------------------------------------------------------------

@@ -15,6 +15,9 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import zmq
 
+from constrained.reasoner_grammar_backend import THINK_END_TOKENS
+from constrained.schema_coverage import GrammarReport
+from constrained.schema_validation import SchemaValidators, SchemaViolation
 from srt.managers.detokenizer import DecodeState
 from srt.managers.logprob_output import LogprobAccumulator
 from srt.managers.samples import merge_samples, split_samples
@@ -51,6 +54,8 @@ class _ReqState:
     dp_rank: int = 0  # the DP group serving it: aborts must go to the same group
     logprobs: Optional[LogprobAccumulator] = None  # when the request asked for them
     metrics: Any = None  # a RequestTimer (srt/metrics) with --enable-metrics
+    grammar: Optional[GrammarReport] = None  # what served its constraint (with the final output)
+    violation: Optional[dict] = None  # its document broke the schema (SchemaViolation.to_json())
 
 
 class TokenizerManager:
@@ -86,6 +91,10 @@ class TokenizerManager:
         self._handle_task: Optional[asyncio.Task] = None
         self.num_aborted = 0  # requests this frontend aborted (client gone), for server info
         self.metrics = create_frontend_metrics(server_args)  # None unless --enable-metrics
+        # Documents of approximate json_schema grammars are validated here, at finish: off the
+        # schedulers' step loop, with one compiled validator per schema (schema_validation.py).
+        self.schema_validators = SchemaValidators()
+        self.think_end = THINK_END_TOKENS.get(getattr(server_args, "reasoning_parser", None) or "")
         # Set by the launcher so /health can report dead scheduler processes.
         self.scheduler_alive: Callable[[], bool] = lambda: True
 
@@ -237,7 +246,8 @@ class TokenizerManager:
         self._sends[dp_rank].send(SCHEDULER_INPUT_CODEC.encode(msg), copy=False)
 
     def _apply(self, state: _ReqState, new_ids, reason, prompt_tokens, completion_tokens,
-               cached_tokens=0, fast_forward_tokens=0, output_logprobs=None, input_logprobs=None) -> None:
+               cached_tokens=0, fast_forward_tokens=0, output_logprobs=None, input_logprobs=None,
+               grammar_report=None) -> None:
         new_ids = list(new_ids)
         state.output_ids.extend(new_ids)
         if prompt_tokens is not None:  # None: ended by the frontend (fail_all), counts unchanged
@@ -254,6 +264,29 @@ class TokenizerManager:
             if _is_int(m) and new_ids and new_ids[-1] == m:
                 text_ids = new_ids[:-1]
         state.decode.add_tokens(text_ids, flush=reason is not None)
+        if grammar_report is not None:
+            state.grammar = grammar_report
+            self._check_document(state)
+
+    def _check_document(self, state: _ReqState) -> None:
+        """A finished document of an approximate json_schema grammar, against the full schema.
+        Only a document the grammar completed (EOS, not a stop string or max_tokens) is one."""
+        report, reason, schema = state.grammar, state.finish_reason, state.req.sampling_params.json_schema
+        if report.exact or schema is None:
+            return
+        violated = False
+        if reason.type == "stop" and not isinstance(reason.matched, str):
+            text = state.decode.visible_text(True, None)
+            if state.req.require_reasoning and self.think_end:
+                text = text.rsplit(self.think_end, 1)[-1]  # the constraint starts after thinking
+            try:
+                violation = self.schema_validators.validate(schema, text)
+            except ValueError as e:  # a schema the validator cannot build: say so, never "valid"
+                violation = SchemaViolation(f"The schema could not be validated: {e}", "schema", "#", "#")
+            if violation is not None:
+                state.violation, violated = violation.to_json(), True
+        if self.metrics is not None:
+            self.metrics.on_approximate_grammar(report.backend, violated)
 
     def _make_output(self, state: _ReqState) -> dict:
         reason = state.finish_reason
@@ -263,6 +296,8 @@ class TokenizerManager:
             fr = reason.to_json()
             if reason.type == "abort":
                 fr["status_code"] = reason.status_code  # SGLang includes it too
+            if state.violation is not None:  # never reported as a success (README)
+                fr = {"type": "schema_violation", "matched": fr.get("matched"), **state.violation}
         out = {
             "text": state.decode.visible_text(reason is not None, matched),
             "output_ids": list(state.output_ids),
@@ -275,6 +310,8 @@ class TokenizerManager:
                 "finish_reason": fr,
             },
         }
+        if state.grammar is not None:
+            out["meta_info"]["grammar"] = state.grammar.to_json()
         if state.logprobs is not None:
             out["meta_info"].update(state.logprobs.meta_info(state.output_ids, self.tokenizer))
         return out
@@ -320,6 +357,7 @@ class TokenizerManager:
                         out.fast_forward_tokens[i] if out.fast_forward_tokens else 0,
                         out.output_logprobs[i] if out.output_logprobs else None,
                         out.input_logprobs[i] if out.input_logprobs else None,
+                        out.grammar_reports[i] if out.grammar_reports else None,
                     ))
                     if state.metrics is not None:
                         state.metrics.on_output(out.finished_reasons[i], out.prompt_tokens[i], out.completion_tokens[i],

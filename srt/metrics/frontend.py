@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from srt.metrics.messages import SchedulerMetrics
 from srt.metrics.scheduler_collector import SchedulerMetricsCollector
@@ -28,6 +28,20 @@ class FrontendMetrics:
         self.requests = TokenizerMetricsCollector(self.registry, model_name)
         self.schedulers = SchedulerMetricsCollector(model_name)
         self.registry.register(self.schedulers)
+        self.model_name = model_name
+        # Structured outputs (README): per grammar backend, gramsync's own names.
+        labels = ("model_name", "backend")
+        self.approximated = Counter("gramsync:grammar_approximated_requests_total", "json_schema requests "
+                                    "served by an approximate grammar (their documents are validated).",
+                                    labels, registry=self.registry)
+        self.violations = Counter("gramsync:schema_violations_total", "Finished documents of approximate "
+                                  "grammars that failed validation against the full schema.",
+                                  labels, registry=self.registry)
+
+    def on_approximate_grammar(self, backend: str, violated: bool) -> None:
+        self.approximated.labels(self.model_name, backend).inc()
+        if violated:
+            self.violations.labels(self.model_name, backend).inc()
 
     def start_request(self, req) -> RequestTimer:
         """``req``: the TokenizedGenerateReq just sent."""

@@ -18,6 +18,7 @@ that a grammar drops, and that could therefore let an invalid document through, 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -41,8 +42,12 @@ _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "dependencies", "$defs",
                    "definitions")
 # Only the formats our validator asserts can be broken (others are annotations): a backend
-# dropping one of these has a gap. xgrammar enforces all of them.
+# dropping one of these has a gap. xgrammar enforces the syntax of all of them.
 STANDARD_FORMATS = ASSERTED_FORMATS
+_XGRAMMAR_FORMATS = frozenset({  # it keeps these, and drops a pattern next to them
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+_SEMANTIC_FORMAT = re.compile(r'"format":\s*"(date|date-time|time|hostname|ipv4|ipv6)"')
 _XGRAMMAR_NEVER = ("not", "if", "dependentRequired", "dependentSchemas", "dependencies",
                    "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef")
 _XGRAMMAR_BY_TYPE = {
@@ -227,13 +232,40 @@ def _xgrammar_node_gaps(root: Any, node: dict) -> list[str]:
             continue  # a keyword for another type asserts nothing here
         if k in ("minLength", "maxLength") and ("pattern" in node or "format" in node):
             gaps.append(k)
-        elif k == "format" and "pattern" in node and node["format"] in STANDARD_FORMATS:
-            gaps.append(k)
+        elif k == "pattern" and node.get("format") in _XGRAMMAR_FORMATS:
+            gaps.append(k)  # it keeps a format it knows and drops the pattern
         elif k == "propertyNames" and ("properties" in node or "patternProperties" in node):
             gaps.append(k)
+        elif k == "required" and not set(_names(node["required"])) <= set(_names(node.get("properties"))):
+            gaps.append(k)  # enforced only for names declared in properties
+        elif k == "patternProperties" and _shadows_a_property(node):
+            gaps.append(k)  # a declared property is checked against properties alone
     if "multipleOf" in node and {"integer", "number"} & set(types):
         gaps.append("multipleOf")
     return gaps
+
+
+def _names(value: Any) -> list:
+    return list(value) if isinstance(value, (list, dict)) else []
+
+
+def _shadows_a_property(node: dict) -> bool:
+    """Does a patternProperties pattern (or one we cannot read) match a declared name?"""
+    patterns = node["patternProperties"] if isinstance(node["patternProperties"], dict) else {}
+    for pattern in patterns:
+        try:
+            if any(re.search(pattern, name) for name in _names(node.get("properties"))):
+                return True
+        except re.error:
+            return True
+    return False
+
+
+def needs_format_check(schema_text: str) -> bool:
+    """Does the schema use a format whose grammars check only the syntax (both libraries
+    admit 2024-02-30, a leap second at any offset, a 64-octet hostname label, 01.1.1.1)?
+    Such documents are validated even when the grammar is otherwise exact."""
+    return _SEMANTIC_FORMAT.search(schema_text) is not None
 
 
 def _values_typed(node: dict, types: Any) -> bool:

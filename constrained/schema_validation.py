@@ -126,6 +126,14 @@ class SchemaValidators:
             raise ValueError(entry)
         return entry
 
+    def check_schema(self, schema_text: str) -> None:
+        """ValueError (a 400) when the schema is not a valid JSON Schema; the validator it
+        builds stays cached for the request's document."""
+        try:
+            self._validator(schema_text)
+        except ValueError as e:
+            raise ValueError(f"json_schema is not a valid JSON Schema: {e}") from None
+
     def validate(self, schema_text: str, document: str) -> Optional[SchemaViolation]:
         """None when ``document`` satisfies the schema. ValueError when the schema cannot be built."""
         validator = self._validator(schema_text)

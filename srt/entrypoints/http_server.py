@@ -113,6 +113,8 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
             "num_aborted_requests": t.num_aborted,
             "num_dropped_messages": t.recv_drops.count,
             "num_refused_handshakes": t.transport.refused_handshakes,
+            # Documents of approximate grammars checked against their schema (README).
+            "schema_validation": dataclasses.asdict(t.schema_validators.stats),
             "version": __version__,
         })
 

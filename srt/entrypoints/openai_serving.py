@@ -186,7 +186,7 @@ class OpenAIServing:
             obj = body.generate_input(uuid.uuid4().hex, input_ids=ids)
             tools.constrain(obj.sampling_params)  # the tool-call grammar (srt/function_call)
             obj.require_reasoning = body.requires_reasoning(self.tm.server_args.reasoning_parser)
-            req = self.tm.prepare_request(obj)
+            req = await self.tm.prepare_request_async(obj)
         except ValueError as e:
             return error_response(str(e), param=getattr(e, "param", None))
         model = body.model or self.served_model_name

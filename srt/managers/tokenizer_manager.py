@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 import zmq
 
 from constrained.reasoner_grammar_backend import THINK_END_TOKENS
-from constrained.schema_coverage import GrammarReport
+from constrained.schema_coverage import GrammarReport, needs_format_check
 from constrained.schema_validation import SchemaValidators, SchemaViolation
 from srt.managers.detokenizer import DecodeState
 from srt.managers.logprob_output import LogprobAccumulator
@@ -114,6 +114,8 @@ class TokenizerManager:
             raise ValueError("The request holds a value that cannot be sent to the scheduler: "
                              "strings must be valid Unicode (no lone surrogates) and values "
                              "plain JSON.") from None
+        if req.sampling_params.json_schema is not None:  # only a schema that is itself invalid is refused
+            self.schema_validators.check_schema(req.sampling_params.json_schema)
         self.check_new_rid(req.rid)
         return req
 
@@ -122,9 +124,13 @@ class TokenizerManager:
             raise ValueError(f"Duplicate request id {rid!r}: it is still running.")
 
     async def prepare_request_async(self, obj: GenerateReqInput) -> TokenizedGenerateReq:
-        """``prepare_request``; a large text is tokenized on a worker thread, so other
-        requests' streams and admissions go on meanwhile."""
-        if obj.text is not None and len(obj.text) > OFFLOOP_CHARS:
+        """``prepare_request``; a large text (tokenized) or any schema given as an object (its
+        validator built) is prepared on a worker thread, so other requests' streams and
+        admissions go on meanwhile."""
+        schema = (obj.sampling_params or {}).get("json_schema")  # its validator is built here
+        size = len(obj.text or "") + (len(schema) if isinstance(schema, str) else 0 if schema is None
+                                      else OFFLOOP_CHARS + 1)  # an object: size unknown until dumped
+        if size > OFFLOOP_CHARS:
             return await asyncio.to_thread(self.prepare_request, obj)
         return self.prepare_request(obj)
 
@@ -269,11 +275,13 @@ class TokenizerManager:
             self._check_document(state)
 
     def _check_document(self, state: _ReqState) -> None:
-        """A finished document of an approximate json_schema grammar, against the full schema.
-        Only a document the grammar completed (EOS, not a stop string or max_tokens) is one."""
+        """A finished document of an approximate json_schema grammar (or of one whose formats
+        the grammar checks only for syntax: schema_coverage.needs_format_check), against the
+        full schema. Only a document the grammar completed (EOS, not a stop string or
+        max_tokens) is one."""
         report, reason, schema = state.grammar, state.finish_reason, state.req.sampling_params.json_schema
-        if report.exact or schema is None:
-            return
+        if schema is None or (report.exact and not needs_format_check(schema)):
+            return  # exact grammars pay no validation
         violated = False
         if reason.type == "stop" and not isinstance(reason.matched, str):
             text = state.decode.visible_text(True, None)
@@ -286,7 +294,7 @@ class TokenizerManager:
             if violation is not None:
                 state.violation, violated = violation.to_json(), True
         if self.metrics is not None:
-            self.metrics.on_approximate_grammar(report.backend, violated)
+            self.metrics.on_validated(report.backend, not report.exact, violated)
 
     def _make_output(self, state: _ReqState) -> dict:
         reason = state.finish_reason

@@ -34,12 +34,13 @@ class FrontendMetrics:
         self.approximated = Counter("gramsync:grammar_approximated_requests_total", "json_schema requests "
                                     "served by an approximate grammar (their documents are validated).",
                                     labels, registry=self.registry)
-        self.violations = Counter("gramsync:schema_violations_total", "Finished documents of approximate "
-                                  "grammars that failed validation against the full schema.",
+        self.violations = Counter("gramsync:schema_violations_total", "Finished json_schema documents that "
+                                  "failed validation against the full schema.",
                                   labels, registry=self.registry)
 
-    def on_approximate_grammar(self, backend: str, violated: bool) -> None:
-        self.approximated.labels(self.model_name, backend).inc()
+    def on_validated(self, backend: str, approximate: bool, violated: bool) -> None:
+        if approximate:
+            self.approximated.labels(self.model_name, backend).inc()
         if violated:
             self.violations.labels(self.model_name, backend).inc()
 

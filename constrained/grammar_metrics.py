@@ -95,10 +95,12 @@ class GrammarMetrics:
 
 
 def fallback_label(reason: str) -> str:
-    """A bounded label for why ``auto`` left plain xgrammar (never user text: the
+    """A bounded label for why ``auto`` left its first choice (never user text: the
     xgrammar error message goes to logs and GrammarStats, not into a label)."""
     if reason.startswith("xgrammar rejected"):
         return "xgrammar_rejected"
+    if reason.startswith("llguidance refused"):
+        return "llguidance_refused"
     if "whitespace-pattern" in reason:
         return "whitespace_pattern"
     feature = reason[len("uses "):] if reason.startswith("uses ") else reason

@@ -233,8 +233,8 @@ class GuidanceBackend(BaseGrammarBackend):
         except ValueError as refused:
             try:
                 value, warnings, compiled = self._json_matcher(spec, lenient=True)
-            except ValueError:
-                raise refused from None
+            except ValueError as e:
+                raise ValueError(f"{clean_error(refused)}; in lenient mode: {clean_error(e)}") from None
         gaps = lenient_gaps(compiled, warnings)  # paths: the compiled schema keeps the user's
         if not gaps and not warnings:  # refused for a reason lenient mode does not name
             gaps = [f"(llguidance: {clean_error(refused)})"]

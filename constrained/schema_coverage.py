@@ -200,6 +200,8 @@ def xgrammar_gaps(schema: Any) -> list[Gap]:
     """The keywords xgrammar would not enforce (conservative: when unsure, a gap)."""
     gaps: list[Gap] = []
     for node, path in schema_nodes(schema):
+        if path.endswith("/propertyNames") and "type" not in node:
+            node = {**node, "type": "string"}  # property names are strings: xgrammar knows it
         gaps.extend(Gap(k, path) for k in _xgrammar_node_gaps(schema, node))
     return sorted(set(gaps), key=lambda g: (g.path, g.keyword))
 

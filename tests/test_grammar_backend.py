@@ -180,20 +180,26 @@ def test_close_objects_matches_xgrammar_strictness():
 def test_auto_falls_back_per_request_and_reports_why(smollm2_tokenizer):
     auto = AutoGrammarBackend.from_tokenizer(smollm2_tokenizer, config())
     plain = auto.init_value(("json_schema", SCHEMA))
-    assert plain.stats.dispatch_type == "xgrammar"
+    assert plain.stats.dispatch_type == "llguidance" and plain.stats.gaps == ()  # exact, first choice
     one_of = {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]}  # exclusive: as anyOf
     assert xgrammar_gaps(one_of) == []
-    assert auto.init_value(("json_schema", json.dumps(one_of))).stats.dispatch_type == "xgrammar"
+    assert auto.init_value(("json_schema", json.dumps(one_of))).stats.gaps == ()
+    # llguidance refuses propertyNames; xgrammar enforces it (next to no properties): exact there
+    names = json.dumps({"type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
+                        "additionalProperties": {"type": "integer"}})
+    v = auto.init_value(("json_schema", names))
+    assert v.stats.dispatch_type.startswith("xgrammar (fallback: llguidance refused it: ") and v.stats.gaps == ()
+    assert accepts(v.copy(), smollm2_tokenizer, '{"ab": 1}') and not accepts(v.copy(), smollm2_tokenizer, '{"A')
     all_of = json.dumps({"allOf": [{"type": "integer"}, {"minimum": 3}]})
     assert [str(g) for g in xgrammar_gaps(json.loads(all_of))] == ["allOf at #", "minimum at #/allOf/1"]
     v = auto.init_value(("json_schema", all_of))
-    assert v.stats.dispatch_type == "llguidance (fallback: uses allOf)" and v.stats.gaps == ()
+    assert v.stats.dispatch_type == "llguidance" and v.stats.gaps == ()
     assert accepts(v.copy(), smollm2_tokenizer, "12") and not accepts(v.copy(), smollm2_tokenizer, "-1")
     lookahead = auto.init_value(("regex", "(?=a)a+"))  # xgrammar rejects lookaround syntax
     assert "xgrammar rejected it" in (lookahead.stats.dispatch_type + getattr(lookahead, "message", ""))
     both_bad = auto.init_value(("json_schema", '{"type":"strin"}'))
     assert isinstance(both_bad, InvalidGrammarObject)
-    assert "xgrammar rejected it" in both_bad.message and "llguidance: " in both_bad.message
+    assert "xgrammar: " in both_bad.message and "llguidance: " in both_bad.message
     length_pattern = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}
     assert [g.keyword for g in xgrammar_gaps(length_pattern)] == ["maxLength"]
     assert xgrammar_gaps({"enum": [{"oneOf": 1}]}) == []  # data, not schema

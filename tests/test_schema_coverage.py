@@ -156,7 +156,7 @@ CASES = [
     ("propertyNames-with-properties", {"type": "object", "properties": {"abc": {"type": "integer"}},
                                        "propertyNames": {"maxLength": 1},
                                        "additionalProperties": {"type": "integer"}},
-     '{"abc":1}', '{"b":1}', ["propertyNames at #", "maxLength at #/propertyNames"]),
+     '{"abc":1}', '{"b":1}', ["propertyNames at #"]),
 
     # exact: xgrammar rejects the invalid document
     ("oneOf-const-discriminator-via-ref", {
@@ -230,6 +230,8 @@ CASES = [
      '"123e4567-e89b-12d3-a456-426614174000"', []),
     ("format-uri", _fmt("uri"), '"no scheme"', '"http://x.y/z"', []),
 
+    ("propertyNames-untyped-subschema", {"type": "object", "additionalProperties": {"type": "integer"},
+                                         "propertyNames": {"maxLength": 1}}, '{"ab":1}', '{"a":1}', []),
     # found by this table (analyzer bugs once): xgrammar widens here.
     pytest.param("required-name-not-in-properties", _obj(additionalProperties={"type": "integer"},
                                                          required=["a", "c"]),
@@ -275,9 +277,6 @@ CONSERVATIVE = [
     ("multipleOf-integer-unbounded", {"type": "integer", "multipleOf": 3}, "4", "6", ["multipleOf at #"]),
     ("multipleOf-integer-small-range", {"type": "integer", "minimum": 0, "maximum": 100, "multipleOf": 3},
      "4", "6", ["multipleOf at #"]),
-    ("propertyNames-untyped-subschema", {"type": "object", "additionalProperties": {"type": "integer"},
-                                         "propertyNames": {"maxLength": 1}}, '{"ab":1}', '{"a":1}',
-     ["maxLength at #/propertyNames"]),
     ("propertyNames-with-patternProperties", {"type": "object", "patternProperties": {"^x": {"type": "integer"}},
                                               "propertyNames": {"type": "string", "maxLength": 1}},
      '{"xyz":1}', '{"x":1}', ["propertyNames at #"]),
@@ -538,16 +537,20 @@ def _auto(auto, schema, strict=False):
     return auto.init_value(("json_schema", json.dumps(with_strict(schema, strict))))
 
 
-def test_auto_exact_for_xgrammar(auto):
+def test_auto_exact_llguidance_first(auto):
     value = _auto(auto, {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
-    assert value.stats.dispatch_type == "xgrammar" and value.stats.gaps == ()
-
-
-def test_auto_exact_only_for_llguidance(auto):
-    value = _auto(auto, {"allOf": [{"type": "integer"}, {"minimum": 3}]})
-    assert value.stats.dispatch_type == "llguidance (fallback: uses allOf)" and value.stats.gaps == ()
+    assert value.stats.dispatch_type == "llguidance" and value.stats.gaps == ()
+    value = _auto(auto, {"allOf": [{"type": "integer"}, {"minimum": 3}]})  # xgrammar would drop allOf
+    assert value.stats.dispatch_type == "llguidance" and value.stats.gaps == ()
     strict = _auto(auto, {"allOf": [{"type": "integer"}, {"minimum": 3}]}, strict=True)
-    assert strict.stats.dispatch_type.startswith("llguidance (fallback") and strict.stats.gaps == ()
+    assert strict.stats.dispatch_type == "llguidance" and strict.stats.gaps == ()
+
+
+def test_auto_exact_only_for_xgrammar(auto):
+    schema = {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": {"type": "integer"}}
+    for strict in (False, True):  # llguidance refuses propertyNames; xgrammar enforces it here
+        value = _auto(auto, schema, strict=strict)
+        assert value.stats.dispatch_type.startswith("xgrammar (fallback: llguidance refused it") and value.stats.gaps == ()
 
 
 def test_auto_approximates_uniqueItems(auto):
@@ -555,7 +558,7 @@ def test_auto_approximates_uniqueItems(auto):
                                                         "uniqueItems": True}}}
     value = _auto(auto, schema)
     assert not isinstance(value, InvalidGrammarObject)
-    assert value.stats.dispatch_type.startswith("llguidance (approximate: uses uniqueItems")
+    assert value.stats.dispatch_type.startswith("llguidance (approximate: llguidance refused it")
     assert value.stats.gaps == ("uniqueItems at #/properties/tags",)
     refused = _auto(auto, schema, strict=True)
     assert isinstance(refused, InvalidGrammarObject)
@@ -565,4 +568,5 @@ def test_auto_approximates_uniqueItems(auto):
 def test_auto_pydantic_union_is_exact_under_strict(auto):
     value = _auto(auto, PET, strict=True)
     assert not isinstance(value, InvalidGrammarObject), getattr(value, "message", "")
-    assert value.stats.dispatch_type == "xgrammar" and value.stats.gaps == ()
+    assert value.stats.dispatch_type == "llguidance" and value.stats.gaps == ()
+    assert xgrammar_gaps(PET) == []  # exact under --grammar-backend xgrammar too

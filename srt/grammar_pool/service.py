@@ -249,6 +249,9 @@ class PoolService:
         self.workers[i] = self._new_worker()
 
     def _new_worker(self) -> Worker:
+        # A killed worker at idle priority may take longer than kill()'s join to exit under
+        # full load: reap any such zombie now.
+        mp.active_children()
         return Worker(self.ctx, self.config, next(self.started_workers), self.backend)
 
 

@@ -25,6 +25,7 @@ Policy:
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -82,6 +83,29 @@ def _not_json_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+_PY_ANCHOR = re.compile(r"(?<!\\)((?:\\\\)*)\\([AZ])")
+
+
+def _ecma_anchors(node):
+    """Patterns with Python's ``\\A`` / ``\\Z`` (real schemas have them; xgrammar reads them)
+    as ECMA-262's ``^`` / ``$``, the same anchors, so the validator can build them."""
+    if isinstance(node, list):
+        return [_ecma_anchors(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in ("enum", "const", "default", "examples"):  # data, not schema
+            out[key] = value
+        elif key == "pattern" and isinstance(value, str):
+            out[key] = _PY_ANCHOR.sub(lambda m: m.group(1) + ("^" if m.group(2) == "A" else "$"), value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {_ecma_anchors({"pattern": k})["pattern"]: _ecma_anchors(v) for k, v in value.items()}
+        else:
+            out[key] = _ecma_anchors(value)
+    return out
+
+
 def _build(schema_text: str) -> Union[jsonschema_rs.Validator, str]:
     """The validator, or the reason it cannot be built (cached too: a bad schema fails fast)."""
     try:
@@ -90,6 +114,7 @@ def _build(schema_text: str) -> Union[jsonschema_rs.Validator, str]:
         return f"the schema is not JSON: {e}"
     if not isinstance(schema, (dict, bool)):
         return "a JSON schema must be an object or a boolean"
+    schema = _ecma_anchors(schema)
     try:
         cls = jsonschema_rs.validator_cls_for(schema)  # unknown $schema -> Draft202012Validator
         return cls(schema, validate_formats=True, formats=_ANNOTATION_ONLY_FORMATS, offline=True)

@@ -119,7 +119,9 @@ def _build(schema_text: str) -> Union[jsonschema_rs.Validator, str]:
         cls = jsonschema_rs.validator_cls_for(schema)  # unknown $schema -> Draft202012Validator
         return cls(schema, validate_formats=True, formats=_ANNOTATION_ONLY_FORMATS, offline=True)
     except Exception as e:  # meta-schema violation, unresolvable or remote $ref, bad regex
-        return f"invalid JSON schema: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        where = getattr(e, "instance_path", None)
+        at = f" (at {_pointer(where)})" if where else ""
+        return f"{str(e).splitlines()[0] if str(e) else type(e).__name__}{at}"
 
 
 class SchemaValidators:

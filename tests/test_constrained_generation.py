@@ -245,9 +245,10 @@ def test_choice_and_json_object(request, smollm2_tokenizer, fixture):
 
 # ---- failure paths --------------------------------------------------------------------------
 INVALID = [  # (sampling-params extra, expected message substring)
-    ({"json_schema": {"type": "strin"}}, "Failed to compile json_schema grammar: "),
+    # Checked against the meta-schema in the frontend (constrained/schema_validation.py).
+    ({"json_schema": {"type": "strin"}}, "json_schema is not a valid JSON Schema: \"strin\" is not valid"),
     ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}},
-     "Failed to compile json_schema grammar: "),
+     "json_schema is not a valid JSON Schema: Pointer '/$defs/missing' does not exist"),
     ({"regex": "a(b"}, "Failed to compile regex grammar: "),
     ({"ebnf": 'root ::= "a" undefined_rule\n'}, "Failed to compile ebnf grammar: "),
     ({"regex": "[0-9]+", "ebnf": 'root ::= "a"\n'}, "Only one constraint kind per request is allowed"),
@@ -312,7 +313,7 @@ def test_invalid_constraints_through_openai(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=4, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "strin"}}})
-    assert "Failed to compile json_schema grammar: " in str(e.value)
+    assert "json_schema is not a valid JSON Schema: " in str(e.value) and "(at #/type)" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt="Hi", max_tokens=4, extra_body={"regex": "a(b"})
     assert "Failed to compile regex grammar: " in str(e.value)

@@ -103,7 +103,7 @@ def test_remote_refs_are_never_fetched(ref):
     # 10.255.255.1 is unroutable: a fetch would hang for seconds instead of failing at once.
     schema = {"$id": "http://10.255.255.1/root.json", "properties": {"a": {"$ref": ref}}}
     sv, start = SchemaValidators(), time.monotonic()
-    with pytest.raises(ValueError, match="invalid JSON schema: .*Retrieval is disabled"):
+    with pytest.raises(ValueError, match="Retrieval is disabled"):
         sv.validate(json.dumps(schema), '{"a": 1}')
     with pytest.raises(ValueError):  # the failure is cached too
         sv.validate(json.dumps(schema), '{"a": 1}')

@@ -136,7 +136,9 @@ BAD = [
     ("/v1/chat/completions", {"model": "m", "messages": []}, "messages"),
     ("/v1/completions", {"model": "m", "prompt": "hi " * 9000}, "longer than the model's context length"),
     ("/v1/completions", {"model": "m", "prompt": "hi " * 5000}, "KV cache pool"),
-    ("/v1/completions", {"model": "m", "prompt": ["a", "b"]}, "Batched"),
+    ("/v1/completions", {"model": "m", "prompt": ["a", ""]}, "prompt[1]: The input is empty"),
+    ("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 0}, "only allowed with echo"),
+    ("/v1/completions", {"model": "m", "prompt": "a", "echo": True, "n": 2}, "echo is not supported with n > 1"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ("/generate", {"text": "hi", "nope": 1}, "nope"),
 ]

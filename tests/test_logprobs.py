@@ -113,6 +113,29 @@ def test_prompt_logprobs_across_chunks_and_from_the_cache(engine, reference, smo
     assert again["meta_info"]["cached_tokens"] <= 4  # positions 4.. were computed again
 
 
+def test_scoring_with_max_new_tokens_0_alongside_generating_requests(engine, reference, smollm2_tokenizer):
+    """max_new_tokens 0 + prompt logprobs: the prompt is prefilled and scored, nothing is
+    sampled; requests batched with it generate exactly what they generate alone."""
+    prompts = ["The capital of France is", "Water boils at", "One, two, three, four,"]
+    greedy = {"max_new_tokens": 5, "temperature": 0}
+    alone = engine.generate(prompts[1:], greedy)
+    outs = engine.generate(prompts, [{"max_new_tokens": 0}, greedy, greedy],
+                           return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
+    scored = outs[0]
+    assert scored["output_ids"] == [] and scored["text"] == ""
+    assert scored["meta_info"]["finish_reason"]["type"] == "length"
+    p_ids = _ids(smollm2_tokenizer, prompts[0])
+    ref = torch.log_softmax(reference(p_ids), -1)
+    ins = scored["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in ins] == p_ids and ins[0][0] is None
+    for q in range(1, len(p_ids)):
+        assert abs(ins[q][0] - ref[q - 1, p_ids[q]].item()) < TOL
+    assert [o["output_ids"] for o in outs[1:]] == [o["output_ids"] for o in alone]
+    # Without logprobs nothing needs computing: it finishes at once.
+    plain = engine.generate(prompts[0], {"max_new_tokens": 0})
+    assert plain["output_ids"] == [] and plain["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_bad_logprob_fields_are_rejected(engine):
     with pytest.raises(ValueError, match="top_logprobs_num must be in \\[0, 20\\]"):
         engine.generate("Hi", {"max_new_tokens": 1}, return_logprob=True, top_logprobs_num=21)

@@ -20,7 +20,7 @@ DISALLOW = DisallowedTokensLogitsProcessor.to_str()
 def _prepare(body: dict, enable_clp: bool = True, grammar_backend: str = "xgrammar"):
     """An OpenAI completion body through the same path the server takes (minus HTTP)."""
     req = CompletionRequest.model_validate({"prompt": [5, 6, 7], **body})
-    return prepare_request(req.generate_input("rid", input_ids=req.single_prompt()), None, INFO,
+    return prepare_request(req.generate_input("rid", input_ids=req.prompts()[0]), None, INFO,
                            enable_custom_logit_processor=enable_clp, grammar_backend=grammar_backend)
 
 
@@ -64,12 +64,39 @@ def test_neutral_and_ignored_fields_are_accepted():
 
 
 def test_completion_prompt_forms():
-    assert CompletionRequest(prompt=["a"]).single_prompt() == "a"
-    assert CompletionRequest(prompt=[1, 2]).single_prompt() == [1, 2]
-    with pytest.raises(ValueError, match="Batched"):
-        CompletionRequest(prompt=[[1], [2]]).single_prompt()
-    with pytest.raises(ValidationError, match="echo"):
-        CompletionRequest(prompt="a", echo=True)
+    assert CompletionRequest(prompt="a").prompts() == ["a"]
+    assert CompletionRequest(prompt=["a"]).prompts() == ["a"]
+    assert CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    with pytest.raises(ValidationError, match="empty list"):
+        CompletionRequest(prompt=[])
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"max_tokens": 0}, "max_tokens: 0 is only allowed with echo: true"),
+    ({"echo": True, "n": 2}, "echo is not supported with n > 1"),
+    ({"echo": True, "logprobs": 21}, "less than or equal to 20"),
+    ({"echo": True, "logprobs": -1}, "greater than or equal to 0"),
+])
+def test_completion_echo_rules(body, message):
+    with pytest.raises(ValidationError, match=message):
+        CompletionRequest.model_validate({"prompt": "a", **body})
+
+
+def test_echo_asks_for_the_prompt_logprobs():
+    r = CompletionRequest(prompt="a", echo=True, logprobs=2, max_tokens=0)
+    assert r.logprob_fields() == {"return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}
+    assert r.sampling_params()["max_new_tokens"] == 0
+    assert CompletionRequest(prompt="a", logprobs=2).logprob_fields()["logprob_start_len"] == -1
+    assert CompletionRequest(prompt="a", echo=True).logprob_fields() == {}
+
+
+def test_chat_refuses_zero_max_tokens():
+    with pytest.raises(ValidationError, match="must be at least 1"):
+        ChatCompletionRequest(messages=MSGS, max_tokens=0)
+    with pytest.raises(ValidationError, match="must be at least 1"):
+        ChatCompletionRequest(messages=MSGS, max_completion_tokens=0)
 
 
 def test_content_parts_flatten_and_images_are_rejected():

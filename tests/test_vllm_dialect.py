@@ -34,7 +34,7 @@ TAG = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": {"typ
 def _constraint(body: dict):
     """(kind, spec) the completion ``body`` resolves to, through the server's path."""
     req = CompletionRequest.model_validate({"prompt": [5, 6], **body})
-    return prepare_request(req.generate_input("rid", input_ids=req.single_prompt()), None, INFO,
+    return prepare_request(req.generate_input("rid", input_ids=req.prompts()[0]), None, INFO,
                            grammar_backend="xgrammar").sampling_params.constraint
 
 

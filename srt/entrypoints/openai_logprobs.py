@@ -18,9 +18,13 @@ class TokenTexts:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._bytes: Optional[list[bytes]] = None
+        self._texts: dict[int, str] = {}  # bounded by the vocabulary; echo reads many
 
     def text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def bytes(self, token_id: int) -> list[int]:
         if self._bytes is None:
@@ -70,6 +74,28 @@ def completion_logprobs(meta: dict, output_ids: list[int], texts: TokenTexts, st
         out.text_offset.append(offset)
         offset += len(text)
     return out
+
+
+def prompt_logprobs(meta: dict, texts: TokenTexts) -> CompletionLogprobs:
+    """The prompt's tokens (``echo``) from ``input_token_logprobs``, offsets from 0; the
+    first token has no logprob (null, as OpenAI and vLLM send it) and no alternatives."""
+    out = CompletionLogprobs()
+    offset = 0
+    for (lp, tok, _), top in zip(meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs") or []):
+        text = texts.text(tok)
+        out.tokens.append(text)
+        out.token_logprobs.append(None if lp is None else _finite(lp))
+        out.top_logprobs.append(None if top is None else {texts.text(t): _finite(v) for v, t, _ in top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=first.tokens + then.tokens,
+                              token_logprobs=first.token_logprobs + then.token_logprobs,
+                              top_logprobs=first.top_logprobs + then.top_logprobs,
+                              text_offset=first.text_offset + then.text_offset)
 
 
 def _finite(v: Any) -> float:

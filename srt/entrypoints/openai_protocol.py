@@ -18,7 +18,7 @@ Unknown-field policy: requests are ``extra="forbid"``, so a misspelt or unknown 
  - ignored when they cannot change the generated text (``user``, ``metadata``, ``store``,
    ``service_tier``, ``stream_options.include_obfuscation``);
  - accepted at their neutral value and rejected with "<field> is not supported" otherwise
-   (``echo``, ``suffix``, ``best_of``, ...). We never silently
+   (``suffix``, ``best_of``, ...). We never silently
    ignore something that would change the output.
 """
 from __future__ import annotations
@@ -38,7 +38,6 @@ from srt.managers.generate_input import GenerateReqInput
 # field -> predicate telling that its value is neutral (behaves as if absent).
 _NEUTRAL = {
     "best_of": lambda v: v in (None, 1),
-    "echo": lambda v: not v,
     "suffix": lambda v: not v,
     "modalities": lambda v: v in (None, ["text"]),
     "audio": lambda v: v is None,
@@ -201,8 +200,18 @@ class ChatCompletionRequest(_SamplingRequest):
         return reasoning_parser == "deepseek-r1" or (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
 
     def sampling_params(self) -> dict:
-        mx = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.to_sampling_params(mx)
+        return self.to_sampling_params(self._max_tokens())
+
+    def _max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @model_validator(mode="after")
+    def _at_least_one_token(self):
+        if self._max_tokens() == 0:
+            raise ValueError("max_tokens (or max_completion_tokens) must be at least 1: a chat "
+                             "completion of 0 tokens is empty (to score a prompt, use "
+                             "/v1/completions with echo: true and max_tokens: 0).")
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -224,18 +233,33 @@ class CompletionRequest(_SamplingRequest):
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     json_schema: Optional[Union[str, dict[str, Any]]] = None  # SGLang extra (completions only)
 
-    def single_prompt(self) -> Union[str, list[int]]:
+    @model_validator(mode="after")
+    def _echo_rules(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo: true (it scores the prompt "
+                             "and generates nothing); ask for at least 1 token otherwise.")
+        if self.echo and self.n > 1:
+            raise ValueError("echo is not supported with n > 1: the prompt and its logprobs are the "
+                             "same for every choice; send n: 1.")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt is an empty list: give a string, a list of token ids, or a "
+                             "non-empty list of either.")
+        return self
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The request's prompts: a list of strings or of token-id lists is a batch (one
+        choice per prompt, in order); anything else is one prompt."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("Batched prompts are not supported: send one prompt per request.")
-            p = p[0]
-        return p
+        if isinstance(p, list) and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
 
     def logprob_fields(self) -> dict:
         if self.logprobs is None:
             return {}
-        return {"return_logprob": True, "top_logprobs_num": self.logprobs}
+        # echo: the prompt's logprobs too, from its first token (which has none).
+        return {"return_logprob": True, "top_logprobs_num": self.logprobs,
+                "logprob_start_len": 0 if self.echo else -1}
 
     def sampling_params(self) -> dict:
         # Completions default to 16 tokens in OpenAI's API (chat defaults to the context).

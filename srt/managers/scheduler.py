@@ -137,8 +137,8 @@ class Scheduler:
                 "abort", status_code=503,
                 message=f"The server's queue is full ({limit} requests waiting, --max-queued-requests); "
                         "retry later.")
-        elif params.max_new_tokens == 0:
-            req.finished_reason = FinishReason("length", matched=0)
+        elif params.max_new_tokens == 0 and req.input_logprobs_done:
+            req.finished_reason = FinishReason("length", matched=0)  # nothing to compute
         elif params.constraint is not None:
             if self.grammar_manager.process_req_with_grammar(req):
                 self.reqs[req.rid] = req  # waits in the grammar queue
@@ -315,6 +315,12 @@ class Scheduler:
                 times.add("forward", t1 - t0)
                 return t1 - t0
         if mode is ForwardMode.EXTEND:
+            scored = [i for i, r in enumerate(reqs) if r.sampling_params.max_new_tokens == 0]
+            if scored:  # prompt scoring (max_new_tokens 0): done once the prompt is prefilled
+                reqs, logits = self._finish_scored(reqs, scored, logits)
+                if not reqs:
+                    times.add("forward", t1 - t0)
+                    return t1 - t0
             info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.runner.device,
                                                self.generator)
         else:
@@ -396,6 +402,21 @@ class Scheduler:
         else:
             self.running_info.merge_batch(info)
         return timed
+
+    def _finish_scored(self, reqs: list[Req], scored: list[int], logits: torch.Tensor
+                       ) -> tuple[list[Req], torch.Tensor]:
+        """Finish requests that only score their prompt (its logprobs were recorded by
+        this prefill); they sample nothing. Returns the rest of the batch and its logits.
+        ``reqs`` itself is left whole: the step reports every request in it."""
+        for i in scored:
+            r = reqs[i]
+            r.finished_reason = FinishReason("length", matched=0)
+            if r.grammar is not None:
+                r.grammar.finished = True
+            self.kv.release(r)
+            self.reqs.pop(r.rid, None)
+        keep = [i for i in range(len(reqs)) if i not in set(scored)]
+        return [reqs[i] for i in keep], logits[torch.tensor(keep, dtype=torch.int64)]
 
     @staticmethod
     def _accept_into_grammar(req: Req, token: int) -> Optional[str]:

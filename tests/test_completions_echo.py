@@ -142,3 +142,17 @@ def test_tp2_scores_and_a_neighbour_generating_alongside(tp2_server, reference, 
         for choice, text in zip(r.json()["choices"], PROMPTS):
             ids = smollm2_tokenizer(text)["input_ids"]
             _check_scores(choice, ids, smollm2_tokenizer, reference(ids, torch.float32), TOL[torch.float32], top_n=1)
+
+
+def test_a_generated_stop_token_is_listed_in_the_logprobs(server, smollm2_tokenizer):
+    """lm-evaluation-harness sends max_tokens 1 and drops the last entry: it must be the
+    generated token even when that is EOS (hidden from the text, as vLLM does)."""
+    eos = smollm2_tokenizer.eos_token_id
+    body = {"prompt": PROMPTS[0], "echo": True, "logprobs": 1, "max_tokens": 1, "logit_bias": {str(eos): 100}}
+    choice = _post(server, body).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["matched_stop"] == eos
+    assert choice["text"] == PROMPTS[0]
+    lp = choice["logprobs"]
+    n = len(smollm2_tokenizer(PROMPTS[0])["input_ids"])
+    assert len(lp["tokens"]) == n + 1 and lp["tokens"][-1] == smollm2_tokenizer.decode([eos])
+    assert lp["text_offset"][-1] == len(PROMPTS[0]) and lp["token_logprobs"][-1] > -0.01

@@ -78,6 +78,7 @@ def test_completion_prompt_forms():
     ({"echo": True, "n": 2}, "echo is not supported with n > 1"),
     ({"echo": True, "logprobs": 21}, "less than or equal to 20"),
     ({"echo": True, "logprobs": -1}, "greater than or equal to 0"),
+    ({"prompt": ["a"] * 1025}, "batch of 1025 prompts; at most 1024"),
 ])
 def test_completion_echo_rules(body, message):
     with pytest.raises(ValidationError, match=message):

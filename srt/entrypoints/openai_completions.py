@@ -6,8 +6,9 @@ all at once; choice ``k * n + j`` is prompt k's j-th sample (OpenAI's order). A 
 fails the whole request before anything runs (the 400 names it: ``prompt[k]: ...``); an
 abort of one (timeout, full queue) fails it and aborts the others.
 
-``echo`` + ``max_tokens: 0`` + ``logprobs`` scores a prompt (lm-evaluation-harness's
-loglikelihood): the scheduler prefills it, records its logprobs and samples nothing.
+``echo`` + ``max_tokens: 0`` + ``logprobs`` scores a prompt: the scheduler prefills it,
+records its logprobs and samples nothing. lm-evaluation-harness (0.4) sends ``max_tokens: 1``
+and drops the last logprob entry, so a generated stop token is listed like any other.
 """
 from __future__ import annotations
 

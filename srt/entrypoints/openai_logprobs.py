@@ -36,15 +36,18 @@ class TokenTexts:
         return list(self.text(token_id).encode("utf-8"))
 
 
-def shown_entries(meta: dict, output_ids: list[int], start: int) -> tuple[list, list]:
-    """Output logprob entries ``start ..`` for the tokens the user sees: a matched stop
-    token at the end (hidden from the text) is left out."""
+def shown_entries(meta: dict, output_ids: list[int], start: int, keep_stop: bool = False) -> tuple[list, list]:
+    """Output logprob entries ``start ..``: for chat, those of the tokens the user sees (a
+    matched stop token at the end, hidden from the text, is left out); ``keep_stop`` keeps
+    it (completions, as vLLM: lm-evaluation-harness scores with ``max_tokens: 1`` and drops
+    the last entry, which must be the generated token even when it is EOS)."""
     entries = meta.get("output_token_logprobs") or []
     tops = meta.get("output_top_logprobs") or []
     end = len(entries)
     fr = meta.get("finish_reason") or {}
     matched = fr.get("matched")
-    if isinstance(matched, int) and not isinstance(matched, bool) and output_ids and output_ids[-1] == matched:
+    if (not keep_stop and isinstance(matched, int) and not isinstance(matched, bool)
+            and output_ids and output_ids[-1] == matched):
         end = min(end, len(output_ids) - 1)
     return entries[start:end], tops[start:end]
 
@@ -62,8 +65,10 @@ def chat_logprobs(meta: dict, output_ids: list[int], texts: TokenTexts, start: i
 
 def completion_logprobs(meta: dict, output_ids: list[int], texts: TokenTexts, start: int = 0,
                         text_offset: int = 0) -> CompletionLogprobs:
-    """``text_offset`` is where the first listed token's text starts in the choice's text."""
-    entries, tops = shown_entries(meta, output_ids, start)
+    """``text_offset`` is where the first listed token's text starts in the choice's text.
+    Every generated token is listed, a stop token that ended the request too (its text is
+    not in the choice's text: its offset is the text's end)."""
+    entries, tops = shown_entries(meta, output_ids, start, keep_stop=True)
     out = CompletionLogprobs()
     offset = text_offset
     for (lp, tok, _), top in zip(entries, tops):

@@ -49,6 +49,7 @@ _NEUTRAL = {
 _SAME_NAME = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
               "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
               "custom_params")  # constraints: vllm_dialect.request_constraint
+MAX_BATCHED_PROMPTS = 1024  # prompts in one /v1/completions request (each is a request inside)
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 
 
@@ -244,6 +245,10 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt is an empty list: give a string, a list of token ids, or a "
                              "non-empty list of either.")
+        count = len(self.prompts())
+        if count > MAX_BATCHED_PROMPTS:
+            raise ValueError(f"prompt is a batch of {count} prompts; at most {MAX_BATCHED_PROMPTS} "
+                             "fit in one request: split it into several requests.")
         return self
 
     def prompts(self) -> list[Union[str, list[int]]]:

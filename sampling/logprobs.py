@@ -34,6 +34,12 @@ def log_softmax_rows(logits: torch.Tensor, temperatures: Optional[torch.Tensor] 
     return torch.log_softmax(x, dim=-1)
 
 
+def model_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """float32 logprobs of raw model logits (prompt logprobs): no masks, no temperature,
+    so one fused pass (``log_softmax_rows`` guards sampled rows against masks and NaN)."""
+    return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+
+
 def chosen_and_top(logprobs: torch.Tensor, ids: torch.Tensor,
                    top_ns: Sequence[int]) -> list[tuple[float, TopLogprobs]]:
     """For each row: the logprob of ``ids[row]`` and the ``top_ns[row]`` most likely tokens
@@ -44,7 +50,10 @@ def chosen_and_top(logprobs: torch.Tensor, ids: torch.Tensor,
     k = min(max(top_ns, default=0), logprobs.shape[1])
     if k == 0:
         return [(c, ()) for c in chosen]
-    vals, idx = torch.topk(logprobs, k, dim=-1)
+    if k == 1:  # one alternative (lm-eval's logprobs: 1): a max pass, not a top-k
+        vals, idx = logprobs.max(dim=-1, keepdim=True)
+    else:
+        vals, idx = torch.topk(logprobs, k, dim=-1)
     vals, idx = vals.tolist(), idx.tolist()
     out = []
     for row, c in enumerate(chosen):

@@ -4,12 +4,13 @@ an unchunked run, a constrained request's grammar sees nothing until its prefill
 and an abort mid-prompt frees everything."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from sampling.sampling_params import SamplingParams
-from srt.managers.io_struct import AbortReq, TokenizedGenerateReq
+from srt.managers.io_struct import AbortReq, LogprobRequest, TokenizedGenerateReq
 from srt.managers.scheduler import resolve_chunk_size
 from srt.server_args import ServerArgs
 from tests.test_scheduler import make_scheduler, req, run_until_done
@@ -75,13 +76,44 @@ def test_grammar_sees_nothing_until_the_prompt_is_prefilled(chunked, whole, smol
     tok = smollm2_tokenizer
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     params = {"max_new_tokens": 20, "temperature": 0, "json_schema": json.dumps(schema)}
-    got = run_until_done(chunked, {0: [TokenizedGenerateReq(
-        "g-chunked", tuple(tok(LONG)["input_ids"]), SamplingParams.from_dict(params))]})
-    want = run_until_done(whole, {0: [TokenizedGenerateReq(
-        "g-whole", tuple(tok(LONG)["input_ids"]), SamplingParams.from_dict(params))]})
+
+    def arrivals(tag):  # a running request, so the long prompt is chunked
+        return {0: [req(tok, f"{tag}-run", SHORT[0], temperature=0, max_new_tokens=40, ignore_eos=True)],
+                2: [TokenizedGenerateReq(f"{tag}-long", tuple(tok(LONG)["input_ids"]),
+                                         SamplingParams.from_dict(params))]}
+    got, modes = _modes(chunked, arrivals("g-chunked"))
+    want = run_until_done(whole, arrivals("g-whole"))
+    assert sum(1 for m, rids in modes if "g-chunked-long" in rids and m == "EXTEND") > 1
+    got["g-chunked"], want["g-whole"] = got["g-chunked-long"], want["g-whole-long"]
     assert got["g-chunked"]["ids"] == want["g-whole"]["ids"]
     assert got["g-chunked"]["finish"].type == "stop"
     assert json.loads(tok.decode(got["g-chunked"]["ids"], skip_special_tokens=True))["ok"] in (True, False)
+
+
+def test_nothing_running_means_no_chunks(chunked, smollm2_tokenizer):
+    """Chunks protect running requests' next tokens; with none running the whole prompt is
+    one step (scoring and first prefills run in larger, faster steps)."""
+    tok = smollm2_tokenizer
+    arrivals = {0: [req(tok, "alone", LONG, temperature=0, max_new_tokens=2, ignore_eos=True)]}
+    _, modes = _modes(chunked, arrivals)
+    assert sum(1 for m, rids in modes if "alone" in rids and m == "EXTEND") == 1
+
+
+def test_prompt_logprobs_across_chunks_equal_unchunked(chunked, whole, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    lp = LogprobRequest(top_n=1, start_len=0)
+    outs = {}
+    for sched, tag in ((chunked, "c"), (whole, "w")):
+        arrivals = _arrivals(tok, tag)
+        long_req = arrivals[3][0]
+        arrivals[3] = [dataclasses.replace(long_req, logprobs=lp,
+                                           sampling_params=dataclasses.replace(long_req.sampling_params,
+                                                                               max_new_tokens=0))]
+        outs[tag], _ = _modes(sched, arrivals)
+    got, want = outs["c"]["clong"], outs["w"]["wlong"]
+    assert got["ids"] == [] and len(got["input_logprobs"]) == len(tok(LONG)["input_ids"])
+    assert got["input_logprobs"][0] is None
+    assert all(abs(a - b) < 1e-4 for a, b in zip(got["input_logprobs"][1:], want["input_logprobs"][1:]))
 
 
 def test_abort_mid_prompt_frees_everything(chunked, smollm2_tokenizer):

@@ -96,8 +96,9 @@ def test_grammar_masked_tokens_never_listed_and_rest_renormalised(engine, refere
     assert abs(meta["output_token_logprobs"][0][0] - expected) < TOL
 
 
-def test_prompt_logprobs_across_chunks_and_from_the_cache(engine, reference, smollm2_tokenizer):
-    # Longer than one CPU prefill chunk (256 tokens): computed chunk by chunk.
+def test_long_prompt_logprobs_and_from_the_cache(engine, reference, smollm2_tokenizer):
+    # Longer than one CPU prefill chunk (256 tokens); alone, it is one step (chunks only
+    # protect running requests): test_chunked_prefill.py checks prompt logprobs in chunks.
     prompt = " ".join(f"item{i}" for i in range(120))
     p_ids = _ids(smollm2_tokenizer, prompt)
     assert len(p_ids) > 256

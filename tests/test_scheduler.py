@@ -55,6 +55,8 @@ def run_until_done(s: Scheduler, arrivals: dict[int, list] | None = None, max_st
                 o["completion_tokens"] = batch.completion_tokens[i]
                 o["prompt_tokens"] = batch.prompt_tokens[i]
                 o["cached_tokens"] = batch.cached_tokens[i]
+                if batch.input_logprobs and batch.input_logprobs[i] is not None:
+                    o["input_logprobs"] = list(batch.input_logprobs[i].token_logprobs)
         step += 1
         assert step < max_steps, "scheduler did not finish"
     s.kv.check_idle_integrity()

@@ -74,6 +74,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward_local(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_states, self.weight)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """``float32=False`` keeps the matmul's dtype (prompt-logprob rows: their
+        log-softmax upcasts as it reads, so no float32 copy of ``[rows, vocab]``)."""
         logits = tp_all_gather_last_dim(self.forward_local(hidden_states), self.tp)
-        return logits[..., : self.org_vocab_size].float()
+        logits = logits[..., : self.org_vocab_size]
+        return logits.float() if float32 else logits

@@ -298,7 +298,7 @@ class Scheduler:
         logits = self.runner.forward(fb)
         if prompt_plan:  # rows past the batch's last-per-sequence ones: prompt logprobs
             record_prompt_logprobs(prompt_plan, logits[len(reqs):], self.rank_info.is_entry_rank)
-            logits = logits[:len(reqs)]
+            logits = logits[:len(reqs)].float()  # rows came in the model's dtype
         if mode is ForwardMode.DECODE and fb.batch_size != len(reqs):
             # Fast-forwarded requests fed several rows: sample from each one's last row.
             logits = logits[torch.tensor(counts).cumsum(0) - 1]

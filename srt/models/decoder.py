@@ -127,13 +127,15 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """float32 logits ``[B, vocab]`` (last new token per sequence) or ``[T, vocab]``."""
+        """float32 logits ``[B, vocab]`` (last new token per sequence) or ``[T, vocab]``;
+        with ``fb.logit_rows`` (prompt logprobs: many rows) those rows in the model's dtype,
+        and the caller upcasts the few it samples from."""
         h = self.model(fb)
         if fb.mode == ForwardMode.EXTEND and not fb.return_all_logits:
             if fb.logit_rows is not None:
                 rows = torch.tensor(fb.logit_rows, device=h.device)
-            else:
-                rows = torch.tensor(fb.extend_seq_lens_cpu, device=h.device).cumsum(0) - 1
+                return self.lm_head(self.model.norm(h[rows]), float32=False)
+            rows = torch.tensor(fb.extend_seq_lens_cpu, device=h.device).cumsum(0) - 1
             h = h[rows]
         return self.lm_head(self.model.norm(h))
 

@@ -1,7 +1,7 @@
 """Scoring speed (issue 20): prompt logprobs through the server vs transformers in process.
 
     .venv/bin/python benchmark/bench_scoring.py [--num-prompts 200] [--concurrency 16]
-        [--runs 3] [--dtype auto] [--port 0] [--server-args "--disable-torch-compile"]
+        [--runs 3] [--dtype auto] [--port 0] [--server-args "--wait-for-torch-compile"]
         [--modes echo,echo-batch,generate] [--profile] [--json out.json]
 
 Workload: --num-prompts deterministic prompts of --min-len..--max-len tokens (default
@@ -46,9 +46,11 @@ client used per HTTP round show whether the frontend or the client compete for t
 cores. The compute floor is the matmul work per scored token (LM head over every prompt
 row included) at this run's measured bf16/fp32 matmul peak.
 
---server-args defaults to ``--disable-torch-compile``: the compiled step is the decode
-step, which scoring never runs (prefill runs eagerly); compiling would only add minutes
-of start-up (the in-process run checks that no decode step happened).
+--server-args defaults to ``--wait-for-torch-compile``: prefill runs compiled
+(``srt/compiled_prefill.py``) once the start-up compile is over, so the server, and the
+in-process scheduler built from the same flags, report ready only then (a few minutes:
+the decode graphs compile too). ``--server-args --disable-torch-compile`` measures the
+eager prefill (the in-process run checks that no decode step happened either way).
 """
 from __future__ import annotations
 
@@ -245,10 +247,11 @@ def server_args_for(model_dir: str, server_argv: list[str]):
 
 
 class Timers:
-    """Forward hooks: model body's attention / linear layers, LM head; and wrapped
+    """Forward hooks: model body's attention / linear layers, LM head (with the compiled
+    prefill: body and attention only, called eagerly between the graphs); and wrapped
     prompt-logprob bookkeeping (log_softmax + gather + top-k + tolist)."""
 
-    def __init__(self, sched):
+    def __init__(self, sched, compiled_prefill: bool):
         import srt.managers.scheduler as sched_mod
         from srt.layers.attention import Attention
         from srt.layers.linear import _TPLinear
@@ -264,11 +267,12 @@ class Timers:
                 lambda m, a, o: self.t.__setitem__(cat, self.t[cat] + time.perf_counter() - starts[id(m)])))
 
         timed(model.model, "body")
-        timed(model.lm_head, "lm_head")
+        if not compiled_prefill:  # compiled: linear layers and LM head run inside graphs
+            timed(model.lm_head, "lm_head")
         for m in model.model.modules():
             if isinstance(m, Attention):
                 timed(m, "attention")
-            elif isinstance(m, _TPLinear):
+            elif isinstance(m, _TPLinear) and not compiled_prefill:
                 timed(m, "linear")
         self._mod, self._orig = sched_mod, sched_mod.record_prompt_logprobs
 
@@ -350,7 +354,8 @@ class InProcess:
     def finish(self, profile: bool) -> dict:
         sched = self.sched
         sched.step_stats.reset()
-        timers = Timers(sched)  # one more round, split by hooks (they add a little time)
+        compiled = sched.runner.compiled_prefill is not None and sched.runner.compiled_prefill.ready
+        timers = Timers(sched, compiled)  # one more round, split by hooks (they add a little time)
         try:
             hooked, _ = inprocess_round(sched, self.prompts, self.concurrency, self.max_new, "split")
         finally:
@@ -360,7 +365,7 @@ class InProcess:
         steps = {m: pt.steps for m, pt in sched.step_stats.by_mode.items()}
         row = {"max_new_tokens": self.max_new, "wall_s": self.walls, "hooked_wall_s": hooked,
                "phases_s": phases, "steps": steps, "results": self.results,
-               "chunked_prefill_size": sched.chunk_size, "max_prefill_tokens": self.args.max_prefill_tokens,
+               "chunked_prefill_size": sched.chunk_size, "compiled_prefill": compiled, "max_prefill_tokens": self.args.max_prefill_tokens,
                "threads": torch.get_num_threads()}
         if profile:
             row["profile"] = run_profiles(sched, self.prompts, self.concurrency, self.max_new)
@@ -398,14 +403,23 @@ def print_breakdown(n_tokens: int, server_walls: list | None, head: str | None, 
     if steps.get("DECODE"):
         print("  WARNING: decode steps ran: scoring is not prefill-only here")
     body = ph["body"]
-    rows = [("model body (eager)", body),
-            ("  attention", ph["attention"]), ("  linear layers", ph["linear"]),
-            ("  other (norms, rotary, embed, adds)", body - ph["attention"] - ph["linear"]),
-            ("LM head (matmul, + any fp32 copy of the logits)", ph["lm_head"]),
+    if ip["compiled_prefill"]:  # hooks inside the compiled halves would break their graphs
+        split = [("  linear layers, norms, rotary, MLP (compiled)", body - ph["attention"])]
+        head_row = ("final norm + LM head (compiled), row gather", None)
+    else:
+        split = [("  linear layers", ph["linear"]),
+                 ("  other (norms, rotary, embed, adds)", body - ph["attention"] - ph["linear"])]
+        head_row = ("LM head (matmul, + any fp32 copy of the logits)", ph["lm_head"])
+    rows = [(f"model body ({'compiled around attention' if ip['compiled_prefill'] else 'eager'})", body),
+            ("  attention (eager: SDPA per sequence, KV writes)", ph["attention"]), *split]
+    if head_row[1] is not None:
+        rows.append(head_row)
+    rows += [
             ("prompt logprobs (log_softmax, gather, top-k, tolist)", ph["prompt_logprobs"]),
             ("sampling (1 row per request)", sum(v for k, v in ph.items() if k.endswith(":sampling"))),
             ("scheduler bookkeeping, outputs", sum(v for k, v in ph.items() if k.endswith(":scheduler"))),
-            ("forward phase, rest (final norm, row gather)",
+            ("forward phase, rest (" + ("final norm + LM head (compiled), " if head_row[1] is None else
+                                        "final norm, ") + "row gather)",
              sum(v for k, v in ph.items() if k.endswith(":forward")) - body - ph["lm_head"] - ph["prompt_logprobs"])]
     print(f"  {'in-process wall (median, no hooks)':<56}{wall:8.2f} s  {n_tokens / wall:8.0f} tok/s")
     print(f"  {'in-process wall of the split round (hooks on)':<56}{hooked:8.2f} s  (shares below are of this)")
@@ -440,7 +454,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="both sides (auto: the server's rule: bf16 with AVX512-BF16/AMX, else fp32)")
     ap.add_argument("--port", type=int, default=0, help="0: a free port")
-    ap.add_argument("--server-args", default="--disable-torch-compile", help="more launch.py flags")
+    ap.add_argument("--server-args", default="--wait-for-torch-compile", help="more launch.py flags")
     ap.add_argument("--modes", default=",".join(MODES), help=f"ours: any of {','.join(MODES)}")
     ap.add_argument("--skip-breakdown", action="store_true", help="no in-process breakdown")
     ap.add_argument("--profile", action="store_true", help="cProfile + torch.profiler of the in-process run")

@@ -22,6 +22,8 @@ switches to the compiled step once both graphs exist (fp32 outputs are identical
 With TP > 1 every rank must switch in the same iteration, so there it compiles before the
 server reports ready. Any failure (no C++ compiler, an unsupported op) logs a warning and
 the step stays eager, identically on every rank because the failure is deterministic.
+Prefill has its own compiled path (``compiled_prefill.py``), warmed up first on the same
+thread.
 """
 from __future__ import annotations
 
@@ -64,6 +66,11 @@ class CompiledDecode:
     def ready(self) -> bool:
         return self._ready.is_set() and not self.failed
 
+    @property
+    def warmed_up(self) -> bool:
+        """The warm-up thread has finished (compiled or failed): nothing compiles beside us."""
+        return self._ready.is_set()
+
     def can_run(self, fb: ForwardBatch) -> bool:
         return self.ready and fb.batch_size <= self.max_bs
 
@@ -86,44 +93,57 @@ class CompiledDecode:
                            self.log_prefix, type(e).__name__, str(e)[:500])
             return self._eager(fb)
 
-    def start(self, run_compiled_step: Callable[[int], None], background: bool) -> None:
+    def start(self, run_compiled_step: Callable[[int], None], background: bool,
+              first: Callable[[], None] | None = None) -> None:
         """Compile both graphs now, not inside a request.
 
         ``run_compiled_step(bs)`` must build its batch as the scheduler does (outside
         inference mode) and run it through ``self`` as ``ModelRunner.forward`` does (in
         inference mode): Dynamo guards on how each tensor was made, and a mismatch would
-        recompile inside the first served steps."""
+        recompile inside the first served steps. ``first`` runs before, on the same thread
+        (the compiled prefill's warm-up: one compile at a time on the node's cores)."""
         if background:
-            self._thread = threading.Thread(target=self._warm_up, args=(run_compiled_step,),
+            self._thread = threading.Thread(target=self._warm_up, args=(run_compiled_step, first),
                                             name="compile-decode", daemon=True)
             self._thread.start()
         else:
-            self._warm_up(run_compiled_step)
+            self._warm_up(run_compiled_step, first)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until compiling has finished (or failed); True if the compiled step is in use."""
         self._ready.wait(timeout)
         return self.ready
 
-    def _warm_up(self, run_compiled_step: Callable[[int], None]) -> None:
+    def _warm_up(self, run_compiled_step: Callable[[int], None], first: Callable[[], None] | None) -> None:
+        if first is not None:
+            first()
+        guarded_warm_up(self, "decode step", lambda: self._compile_graphs(run_compiled_step))
+
+    def _compile_graphs(self, run_compiled_step: Callable[[int], None]) -> None:
         t = time.monotonic()
-        try:
-            # The dynamic graph is traced at max_bs: Inductor prepacks the frozen bf16
-            # weights for its trace-time batch size, and serving batches are large.
-            for bs in sorted({1, self.max_bs}):
-                label, t_graph = ("1" if bs == 1 else f"2-{self.max_bs}"), time.monotonic()
-                logger.info("%s compiling the decode step (batch %s) ...", self.log_prefix, label)
-                with torch.no_grad():  # grad mode is thread-local; the step sets inference mode
-                    run_compiled_step(bs)
-                if self.failed:
-                    return
-                logger.info("%s batch %s graph ready in %.1f s", self.log_prefix, label,
-                            time.monotonic() - t_graph)
-            logger.info("%s decode step compiled in %.1f s; using it for batches up to %d",
-                        self.log_prefix, time.monotonic() - t, self.max_bs)
-        except Exception as e:  # noqa: BLE001 - a warm-up failure must not kill the rank
-            self.failed = True
-            logger.warning("%s compiling the decode step failed (%s: %s); staying eager",
-                           self.log_prefix, type(e).__name__, str(e)[:500])
-        finally:
-            self._ready.set()
+        # The dynamic graph is traced at max_bs: Inductor prepacks the frozen bf16
+        # weights for its trace-time batch size, and serving batches are large.
+        for bs in sorted({1, self.max_bs}):
+            label, t_graph = ("1" if bs == 1 else f"2-{self.max_bs}"), time.monotonic()
+            logger.info("%s compiling the decode step (batch %s) ...", self.log_prefix, label)
+            with torch.no_grad():  # grad mode is thread-local; the step sets inference mode
+                run_compiled_step(bs)
+            if self.failed:
+                return
+            logger.info("%s batch %s graph ready in %.1f s", self.log_prefix, label,
+                        time.monotonic() - t_graph)
+        logger.info("%s decode step compiled in %.1f s; using it for batches up to %d",
+                    self.log_prefix, time.monotonic() - t, self.max_bs)
+
+
+def guarded_warm_up(step, what: str, compile_graphs: Callable[[], None]) -> None:
+    """Run ``compile_graphs``; a failure marks ``step`` failed (it stays eager) instead of
+    killing the rank. ``step``'s ready event is set either way."""
+    try:
+        compile_graphs()
+    except Exception as e:  # noqa: BLE001 - a warm-up failure must not kill the rank
+        step.failed = True
+        logger.warning("%s compiling the %s failed (%s: %s); staying eager",
+                       step.log_prefix, what, type(e).__name__, str(e)[:500])
+    finally:
+        step._ready.set()

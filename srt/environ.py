@@ -61,6 +61,11 @@ GRAMSYNC_SCHEDULER_IDLE_WAIT = EnvVar(
     "GRAMSYNC_SCHEDULER_IDLE_WAIT", float, 0.01,
     "Seconds an idle entry rank blocks waiting for new requests before looping.",
 )
+GRAMSYNC_SCHEDULER_BATCH_WAIT = EnvVar(
+    "GRAMSYNC_SCHEDULER_BATCH_WAIT", float, 0.005,
+    "Most seconds an idle entry rank keeps collecting requests that arrive within 1 ms of "
+    "each other before it schedules them (a burst is prefilled as one batch); 0 disables.",
+)
 GRAMSYNC_STARTUP_TIMEOUT = EnvVar(
     "GRAMSYNC_STARTUP_TIMEOUT", float, 600.0,
     "Seconds the launcher waits for the scheduler ranks to load the model and report ready.",
@@ -110,7 +115,7 @@ GRAMSYNC_CLUSTER_SECRET = EnvVar(
 GRAMSYNC_TORCH_COMPILE_AUTO = EnvVar(
     "GRAMSYNC_TORCH_COMPILE_AUTO", bool, True,
     "What neither --enable-torch-compile nor --disable-torch-compile means: compile the "
-    "decode step where it measures faster (CPU, TP=1). The test suite sets 0 to skip "
+    "decode step and the prefill where they measure faster (CPU, TP=1). The test suite sets 0 to skip "
     "compiling in every server it starts.",
 )
 
@@ -120,6 +125,7 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION,
     GRAMSYNC_CACHE_DIR,
     GRAMSYNC_SCHEDULER_IDLE_WAIT,
+    GRAMSYNC_SCHEDULER_BATCH_WAIT,
     GRAMSYNC_STARTUP_TIMEOUT,
     SGLANG_GRAMMAR_POLL_INTERVAL,
     SGLANG_GRAMMAR_MAX_POLL_ITERATIONS,

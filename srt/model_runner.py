@@ -14,6 +14,7 @@ from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
 from srt.compiled_decode import CompiledDecode
+from srt.compiled_prefill import CompiledPrefill
 from srt.cuda_graph_runner import CudaGraphRunner
 from srt.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention import create_attention_backend
@@ -69,14 +70,19 @@ class ModelRunner:
         self._init_memory_pool()
         self.sampler = Sampler(rank_info.log_prefix)
         self.attn_backend = create_attention_backend(server_args.attention_backend, self.device)
-        self.compiled_decode = None
+        self.compiled_decode = self.compiled_prefill = None
         if self._want_compile():
             self.compiled_decode = CompiledDecode(
                 self.model, min(server_args.torch_compile_max_bs, self.max_running_requests),
                 rank_info.log_prefix)
+            # TP=1 only: compiled and eager prefill round differently, and ranks that
+            # switched at different steps would hold different logits.
+            if self.tp.is_single and self.device == "cpu":
+                self.compiled_prefill = CompiledPrefill(self.model, rank_info.log_prefix)
             # TP=1: nobody to stay in step with, so serve eagerly while it compiles.
             background = self.tp.is_single and not server_args.wait_for_torch_compile
-            self.compiled_decode.start(self._run_warm_up_step, background=background)
+            self.compiled_decode.start(self._run_warm_up_step, background=background,
+                                       first=self._warm_up_prefill if self.compiled_prefill else None)
         self.cuda_graph_runner = self._capture_cuda_graphs() if self._want_cuda_graph() else None
 
     def _want_compile(self) -> bool:
@@ -128,6 +134,23 @@ class ModelRunner:
             self._prepare(fb)
             self.compiled_decode(fb)
 
+    def _warm_up_prefill(self) -> None:
+        self.compiled_prefill.warm_up(self._run_warm_up_prefill)
+
+    def _run_warm_up_prefill(self, lens: list[int], logit_rows: Optional[list[int]]) -> None:
+        """A prefill of fresh sequences of ``lens`` tokens whose K/V all go to the dummy
+        slot 0 (never a request's); attention reads only the batch's own new keys."""
+        dev, total = self.device, sum(lens)
+        zeros = torch.zeros(total, dtype=torch.int64, device=dev)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        fb = ForwardBatch(ForwardMode.EXTEND, zeros, positions, zeros.clone(),
+                          torch.zeros(len(lens), dtype=torch.int64, device=dev),
+                          torch.tensor(lens, device=dev), list(lens), list(lens), [0] * len(lens),
+                          self.req_to_token_pool, self.token_to_kv_pool, logit_rows=logit_rows)
+        with torch.inference_mode():  # as forward() runs it
+            self._prepare(fb)
+            self.compiled_prefill(fb)
+
     def _warm_up_batch(self, bs: int) -> ForwardBatch:
         """A decode batch that writes only the dummy KV slot 0 (never a request's slot)."""
         dev, seq = self.device, bs + 5  # seq != bs: Dynamo must not assume they are equal
@@ -178,6 +201,12 @@ class ModelRunner:
         compiled = self.compiled_decode
         if fb.mode is ForwardMode.DECODE and compiled is not None and compiled.can_run(fb):
             return compiled(fb)
+        prefill = self.compiled_prefill
+        # Only once the whole warm-up (decode graphs too) is over: a recompile here while
+        # the warm-up thread compiles with Inductor's global freezing flag on would fold
+        # one layer's weights into a graph that every layer shares.
+        if fb.mode is ForwardMode.EXTEND and prefill is not None and prefill.ready and compiled.warmed_up:
+            return prefill(fb)
         graphs = self.cuda_graph_runner
         if graphs is not None and graphs.can_run(fb):
             return graphs(fb)

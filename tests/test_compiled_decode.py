@@ -82,7 +82,7 @@ def test_fp32_greedy_identical_with_and_without_compile(schedulers, smollm2_toke
     assert compiled.runner.compiled_decode.ready  # no fallback to eager happened on the way
 
 
-def test_batches_past_max_bs_and_prefill_run_eagerly(smollm2_dir, smollm2_tokenizer, schedulers):
+def test_batches_past_max_bs_run_eagerly(smollm2_dir, smollm2_tokenizer, schedulers):
     compiled, _ = schedulers
     cd = compiled.runner.compiled_decode
     assert cd.max_bs == 8  # min(--torch-compile-max-bs, --max-running-requests)
@@ -91,3 +91,41 @@ def test_batches_past_max_bs_and_prefill_run_eagerly(smollm2_dir, smollm2_tokeni
     big = ForwardBatch(ForwardMode.DECODE, *([torch.zeros(9, dtype=torch.long)] * 5),
                        [1] * 9, [1] * 9, [0] * 9, None, None)
     assert not cd.can_run(big)
+
+
+def _prompt_logprobs(sched, prompts: list[list[int]], tag: str) -> list[list[float]]:
+    """Each prompt's token logprobs (prefill only: ``max_new_tokens`` 0)."""
+    from sampling.sampling_params import SamplingParams
+    from srt.managers.io_struct import LogprobRequest, TokenizedGenerateReq
+
+    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 0})
+    reqs = [TokenizedGenerateReq(f"{tag}-{i}", tuple(p), params, logprobs=LogprobRequest(top_n=1, start_len=0))
+            for i, p in enumerate(prompts)]
+    sched.process_input_requests(reqs)
+    out: dict[str, list[float]] = {}
+    while sched.has_work():
+        for batch in sched.step():
+            for k, rid in enumerate(batch.rids):
+                if batch.input_logprobs and batch.input_logprobs[k] is not None:
+                    out[rid] = list(batch.input_logprobs[k].token_logprobs)
+    return [out[m.rid] for m in reqs]
+
+
+def test_compiled_prefill_scores_prompts_as_eager_does(schedulers, smollm2_tokenizer):
+    """The compiled prefill (TP=1, after the warm-up) gives the eager prefill's prompt
+    logprobs in fp32 (to 1e-4) on a batch of prompts of different lengths."""
+    compiled, eager = schedulers
+    assert compiled.runner.compiled_decode.wait(timeout=600)
+    cp = compiled.runner.compiled_prefill
+    assert cp is not None and cp.ready and eager.runner.compiled_prefill is None
+    tok = smollm2_tokenizer
+    prompts = [tok(t)["input_ids"] for t in ("The capital of France is Paris, and its river is the Seine.",
+                                             "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12",
+                                             "def add(a, b):\n    return a + b\n")]
+    before = cp.steps
+    got = _prompt_logprobs(compiled, prompts, "cp")
+    want = _prompt_logprobs(eager, prompts, "ep")
+    assert cp.steps > before and cp.ready  # served by the compiled graphs, no fallback
+    for g, w in zip(got, want):
+        assert g[0] is None and w[0] is None and len(g) == len(w)
+        assert max(abs(a - b) for a, b in zip(g[1:], w[1:])) < 1e-4

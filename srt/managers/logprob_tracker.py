@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from sampling.logprobs import chosen_and_top, model_log_softmax
+from sampling.logprobs import chosen_and_top, model_chosen_and_top
 from srt.managers.io_struct import TokenLogprobs
 from srt.managers.req import Req
 
@@ -68,7 +68,7 @@ def record_prompt_logprobs(plan: list[PromptLogprobRows], extra_logits: Optional
             if p.targets:
                 rows = extra_logits[p.first:p.first + len(p.targets)]
                 ids = torch.tensor(p.targets, dtype=torch.int64)
-                picked = chosen_and_top(model_log_softmax(rows), ids, [r.logprobs.top_n] * len(p.targets))
+                picked = model_chosen_and_top(rows, ids, [r.logprobs.top_n] * len(p.targets))
                 for lp, top in picked:
                     r.input_token_logprobs.append(lp)
                     r.input_top_logprobs.append(top)

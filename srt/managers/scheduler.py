@@ -415,7 +415,8 @@ class Scheduler:
                 r.grammar.finished = True
             self.kv.release(r)
             self.reqs.pop(r.rid, None)
-        keep = [i for i in range(len(reqs)) if i not in set(scored)]
+        done = set(scored)
+        keep = [i for i in range(len(reqs)) if i not in done]
         return [reqs[i] for i in keep], logits[torch.tensor(keep, dtype=torch.int64)]
 
     @staticmethod

@@ -9,7 +9,7 @@ Parameter names mirror Hugging Face's, with q/k/v and gate/up fused.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, Row
 from srt.layers.rotary_embedding import RotaryEmbedding
 from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from srt.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from srt.compiled_prefill import LayerHalves
 
 # (fused param, HF name, shard id): HF checkpoints store these separately.
 _STACKED = (
@@ -71,15 +74,20 @@ class SelfAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim,
                               cfg.head_dim ** -0.5, layer_id)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def project_qkv(self, positions: torch.Tensor, x: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, H*D]``, k/v ``[T, KVH*D]``: projected, normed (Qwen3), rotated."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v, fb)
-        return self.o_proj(o)
+        return q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1), v
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.project_qkv(positions, x)
+        return self.o_proj(self.attn(q, k, v, fb))
 
 
 class DecoderLayer(nn.Module):
@@ -90,14 +98,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, h, residual: Optional[torch.Tensor], fb: ForwardBatch):
+    # The layer in two halves around attention: the compiled prefill (compiled_prefill.py)
+    # compiles each half and runs attention, which loops over sequences, eagerly between.
+    def pre_attention(self, positions, h, residual: Optional[torch.Tensor]):
+        """(q, k, v, residual) for the attention."""
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, fb)
-        h, residual = self.post_attention_layernorm(h, residual)
+        return (*self.self_attn.project_qkv(positions, h), residual)
+
+    def post_attention(self, o: torch.Tensor, residual: torch.Tensor):
+        """(h, residual) for the next layer."""
+        h, residual = self.post_attention_layernorm(self.self_attn.o_proj(o), residual)
         return self.mlp(h), residual
+
+    def forward(self, positions, h, residual: Optional[torch.Tensor], fb: ForwardBatch):
+        q, k, v, residual = self.pre_attention(positions, h, residual)
+        return self.post_attention(self.self_attn.attn(q, k, v, fb), residual)
 
 
 class DecoderModel(nn.Module):
@@ -109,10 +127,16 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, tp, i, self.rotary_emb, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, halves: Optional["LayerHalves"] = None) -> torch.Tensor:
+        """``halves``: compiled replacements of ``DecoderLayer.pre_attention`` /
+        ``post_attention`` (prefill); None runs each layer eagerly."""
         h, residual = self.embed_tokens(fb.input_ids), None
         for layer in self.layers:
-            h, residual = layer(fb.positions, h, residual, fb)
+            if halves is None:
+                h, residual = layer(fb.positions, h, residual, fb)
+            else:
+                q, k, v, residual = halves.pre(layer, fb.positions, h, residual)
+                h, residual = halves.post(layer, layer.self_attn.attn(q, k, v, fb), residual)
         return h + residual  # pre-norm hidden states; CausalLM normalises the rows it needs
 
 
@@ -126,18 +150,23 @@ class CausalLM(nn.Module):
             self.lm_head.tie_to(self.model.embed_tokens)
 
     @torch.no_grad()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, halves: Optional["LayerHalves"] = None) -> torch.Tensor:
         """float32 logits ``[B, vocab]`` (last new token per sequence) or ``[T, vocab]``;
         with ``fb.logit_rows`` (prompt logprobs: many rows) those rows in the model's dtype,
-        and the caller upcasts the few it samples from."""
-        h = self.model(fb)
+        and the caller upcasts the few it samples from. ``halves``: see DecoderModel."""
+        h = self.model(fb, halves)
+        head = CausalLM.logits if halves is None else halves.head
         if fb.mode == ForwardMode.EXTEND and not fb.return_all_logits:
             if fb.logit_rows is not None:
                 rows = torch.tensor(fb.logit_rows, device=h.device)
-                return self.lm_head(self.model.norm(h[rows]), float32=False)
+                return head(self, h[rows], False)
             rows = torch.tensor(fb.extend_seq_lens_cpu, device=h.device).cumsum(0) - 1
             h = h[rows]
-        return self.lm_head(self.model.norm(h))
+        return head(self, h, True)
+
+    def logits(self, h: torch.Tensor, float32: bool) -> torch.Tensor:
+        """Final norm and LM head over the rows of ``h`` that need logits."""
+        return self.lm_head(self.model.norm(h), float32=float32)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load ``(hf_name, full_tensor)`` pairs; each parameter slices its TP shard."""

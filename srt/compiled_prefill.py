@@ -1,0 +1,89 @@
+"""The prefill (EXTEND) step compiled with torch.compile around its attention.
+
+Prefill of many short prompts (evaluation harnesses scoring hundreds of ~64-token
+prompts) is linear layers, LM head and small ops; measured on the in-process scheduler
+(benchmark/bench_scoring.py, bf16, 2 cores), the eager step spent ~10% in norms, rotary,
+SiLU and adds and ran its matmuls below the CPU's peak. Compiled, the small ops fuse into
+a few loops and the matmuls run closer to peak (README "Speed", "Evaluate the served model").
+
+What is compiled: each decoder layer's two halves around attention
+(``DecoderLayer.pre_attention``: residual add, norm, q/k/v projection, rotary;
+``post_attention``: o_proj, residual add, norm, MLP) and the final norm + LM head
+(``CausalLM.logits``). Attention stays eager between them: it loops over the batch's
+sequences (SDPA per sequence), whose number and lengths change every step. Each half is
+one graph shared by all layers (the layer's weights are graph inputs, not constants), with
+the token count dynamic, so a few graphs serve every prefill batch.
+
+When and where: on CPU at TP=1, wherever the decode step compiles
+(``--disable-torch-compile`` turns both off). It compiles on the decode step's warm-up
+thread, before the decode graphs (~10 s), and serves once that whole warm-up is over
+(``--wait-for-torch-compile`` waits for it); until then prefill runs eagerly. Not at
+TP > 1: compiled and eager prefill round differently, and every rank would have to switch
+in the same step. Any compiler failure logs a warning and prefill stays eager.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+from srt.compiled_decode import guarded_warm_up
+from srt.models.decoder import CausalLM, DecoderLayer
+
+logger = logging.getLogger(__name__)
+
+
+class LayerHalves:
+    """Compiled ``pre_attention`` / ``post_attention`` / ``logits`` (see DecoderModel.forward)."""
+
+    def __init__(self):
+        self.pre = torch.compile(DecoderLayer.pre_attention, dynamic=True)
+        self.post = torch.compile(DecoderLayer.post_attention, dynamic=True)
+        self.head = torch.compile(CausalLM.logits, dynamic=True)
+
+
+class CompiledPrefill:
+    def __init__(self, model: CausalLM, log_prefix: str):
+        self.log_prefix = log_prefix
+        self.failed = False
+        self.steps = 0  # prefill steps run through the compiled graphs (warm-up included)
+        self._ready = threading.Event()
+        self._model = model
+        self._halves = LayerHalves()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and not self.failed
+
+    def __call__(self, fb) -> torch.Tensor:
+        self.steps += 1
+        try:
+            return self._model.forward(fb, self._halves)
+        except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager
+            self.failed = True
+            logger.warning("%s torch.compile of the prefill failed (%s: %s); prefilling eagerly "
+                           "from now on", self.log_prefix, type(e).__name__, str(e)[:500])
+            return self._model.forward(fb)
+
+    def warm_up(self, run_prefill: Callable[[list[int], Optional[list[int]]], None]) -> None:
+        """Compile every graph now, not inside a request. ``run_prefill(lens, logit_rows)``
+        must run a prefill of fresh sequences of those lengths through ``self`` as
+        ``ModelRunner.forward`` does (inference mode), writing only the dummy KV slot."""
+        guarded_warm_up(self, "prefill step", lambda: self._compile_graphs(run_prefill))
+
+    def _compile_graphs(self, run_prefill) -> None:
+        t = time.monotonic()
+        logger.info("%s compiling the prefill step ...", self.log_prefix)
+        with torch.no_grad():
+            # Dynamic token counts from the first trace; a one-token prefill and one row
+            # of logits are specialised by Dynamo, so they are traced here too, as is the
+            # LM head over prompt-logprob rows (kept in the model's dtype).
+            for lens, rows in (([7, 13], None), ([5, 9, 22], [4, 13, 35, 0, 1, 2]), ([1], None),
+                               ([1], [0])):
+                run_prefill(lens, rows)
+                if self.failed:
+                    return
+        logger.info("%s prefill step compiled in %.1f s", self.log_prefix, time.monotonic() - t)

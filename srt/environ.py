@@ -62,8 +62,8 @@ GRAMSYNC_SCHEDULER_IDLE_WAIT = EnvVar(
     "Seconds an idle entry rank blocks waiting for new requests before looping.",
 )
 GRAMSYNC_SCHEDULER_BATCH_WAIT = EnvVar(
-    "GRAMSYNC_SCHEDULER_BATCH_WAIT", float, 0.005,
-    "Most seconds an idle entry rank keeps collecting requests that arrive within 1 ms of "
+    "GRAMSYNC_SCHEDULER_BATCH_WAIT", float, 0.03,
+    "Most seconds an idle entry rank keeps collecting requests that arrive within 3 ms of "
     "each other before it schedules them (a burst is prefilled as one batch); 0 disables.",
 )
 GRAMSYNC_STARTUP_TIMEOUT = EnvVar(

@@ -205,7 +205,8 @@ class ModelRunner:
         # Only once the whole warm-up (decode graphs too) is over: a recompile here while
         # the warm-up thread compiles with Inductor's global freezing flag on would fold
         # one layer's weights into a graph that every layer shares.
-        if fb.mode is ForwardMode.EXTEND and prefill is not None and prefill.ready and compiled.warmed_up:
+        if (fb.mode is ForwardMode.EXTEND and prefill is not None and prefill.ready
+                and (compiled is None or compiled.warmed_up)):
             return prefill(fb)
         graphs = self.cuda_graph_runner
         if graphs is not None and graphs.can_run(fb):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Optional, Sequence
 
 import psutil
@@ -81,8 +82,9 @@ class ModelRunner:
                 self.compiled_prefill = CompiledPrefill(self.model, rank_info.log_prefix)
             # TP=1: nobody to stay in step with, so serve eagerly while it compiles.
             background = self.tp.is_single and not server_args.wait_for_torch_compile
+            prefill = self.compiled_prefill
             self.compiled_decode.start(self._run_warm_up_step, background=background,
-                                       first=self._warm_up_prefill if self.compiled_prefill else None)
+                                       first=partial(prefill.warm_up, self._run_warm_up_prefill) if prefill else None)
         self.cuda_graph_runner = self._capture_cuda_graphs() if self._want_cuda_graph() else None
 
     def _want_compile(self) -> bool:
@@ -133,9 +135,6 @@ class ModelRunner:
         with torch.inference_mode():  # then exactly as forward() runs a decode step
             self._prepare(fb)
             self.compiled_decode(fb)
-
-    def _warm_up_prefill(self) -> None:
-        self.compiled_prefill.warm_up(self._run_warm_up_prefill)
 
     def _run_warm_up_prefill(self, lens: list[int], logit_rows: Optional[list[int]]) -> None:
         """A prefill of fresh sequences of ``lens`` tokens whose K/V all go to the dummy

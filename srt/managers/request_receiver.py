@@ -62,7 +62,6 @@ class RequestReceiver:
         return broadcast_pyobj(msgs, self.rank_info.is_entry_rank, self.src_world_rank,
                                self.tp.cpu_group)
 
-
     def _drain(self, msgs: list) -> None:
         while True:
             try:

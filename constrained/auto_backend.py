@@ -22,6 +22,8 @@ from constrained.grammar_config import GrammarBackendConfig, json_layout
 from constrained.grammar_metrics import fallback_label
 from constrained.llguidance_backend import GuidanceBackend
 from constrained.schema_coverage import StrictSchemaError, xgrammar_gaps
+from constrained.tag_parts import tag_parts
+from constrained.tag_plan import plan_tag
 from constrained.xgrammar_backend import XGrammarGrammarBackend
 
 
@@ -45,8 +47,8 @@ class AutoGrammarBackend(BaseGrammarBackend):
                    GuidanceBackend.from_tokenizer(tokenizer, config), config)
 
     def dispatch(self, key: tuple[str, str]) -> BaseGrammarObject:
-        if key[0] == "json_schema":
-            return super().dispatch(key)  # its checks, then compile_json_schema
+        if key[0] in ("json_schema", "structural_tag"):
+            return super().dispatch(key)  # its checks, then compile_json_schema / the tag's plan
         try:
             value = self.xgrammar.dispatch(key)
             value.stats.dispatch_type = "xgrammar"
@@ -65,6 +67,30 @@ class AutoGrammarBackend(BaseGrammarBackend):
 
     def dispatch_json_schema(self, spec: str) -> BaseGrammarObject:
         return self.compile_json_schema(spec, False)
+
+    def dispatch_structural_tag(self, spec: str) -> BaseGrammarObject:
+        """tag_plan.py picks the library: exact where one is, else the closer approximation
+        (parts that must be exact exact); the other library only when the chosen one fails."""
+        tag = json.loads(spec)
+        plan = plan_tag(tag_parts(tag), "auto", self.guidance.json_options)
+        first, second = ((self.xgrammar, self.guidance) if plan.library == "xgrammar"
+                         else (self.guidance, self.xgrammar))
+        try:
+            value = first.compile_structural_tag(tag, plan)
+            value.stats.dispatch_type = first.name
+            return value
+        except Exception as e:
+            reason = f"{first.name} rejected it: {clean_error(e)}"
+        label = fallback_label(reason)
+        try:
+            second_plan = plan_tag(tag_parts(tag), second.name, self.guidance.json_options)
+            value = second.compile_structural_tag(tag, second_plan)
+        except Exception as e:
+            self.metrics.count_fallback(label, "failed")
+            raise ValueError(f"{reason}; {second.name}: {clean_error(e)}") from None
+        value.stats.dispatch_type = f"{second.name} (fallback: {reason})"
+        self.metrics.count_fallback(label, second.name)
+        return value
 
     def compile_json_schema(self, spec: str, strict: bool) -> BaseGrammarObject:
         try:  # 1. llguidance's default mode: exact whenever it compiles, in about a millisecond

@@ -6,64 +6,22 @@ grammar fails with an error instead of running for minutes. Each request gets a
 from __future__ import annotations
 
 import json
-import re
 
 import llguidance as llg
 import llguidance.hf
 import llguidance.torch
 import torch
 
-from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, clean_error
-from constrained.grammar_config import GrammarBackendConfig, JsonOptions, split_json_layout
-from constrained.json_number_bounds import LLGUIDANCE_BOUNDS, bound_numbers
-from constrained.json_one_of import exclusive_one_of
-from constrained.schema_coverage import (
-    STANDARD_FORMATS, Gap, StrictSchemaError, keyword_gaps, schema_nodes,
+from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
+from constrained.grammar_config import GrammarBackendConfig
+from constrained.guidance_json import (  # noqa: F401 (close_objects, lenient_gaps: re-exported)
+    close_objects, guidance_gaps, json_grammar, lenient_gaps, tag_schema,
 )
+from constrained.schema_coverage import StrictSchemaError
 from constrained.structural_tag_lark import structural_tag_to_lark
+from constrained.tag_parts import map_parts, tag_parts
+from constrained.tag_plan import TagPlan, plan_tag
 from constrained.xgrammar_backend import _structures
-
-_WHITESPACE = r"[\x20\x0A\x0D\x09]"
-
-
-def close_objects(schema):
-    """Objects with ``properties`` but no ``additionalProperties`` get ``false``, as
-    xgrammar's strict mode (and OpenAI's strict schemas) do, so both backends -- and auto's
-    fallback -- generate the same shape instead of inventing extra keys. Not inside allOf,
-    nor in a schema an allOf branch refers to: closing each branch would make the
-    conjunction unsatisfiable."""
-    shared: set[str] = set()
-    _all_of_refs(schema, False, shared)
-    return _close(schema, "#", False, shared)
-
-
-def _all_of_refs(node, in_all_of: bool, found: set[str]) -> None:
-    pairs = enumerate(node) if isinstance(node, list) else node.items() if isinstance(node, dict) else ()
-    for key, value in pairs:
-        if in_all_of and key == "$ref" and isinstance(value, str):
-            found.add(value)
-        elif key not in ("enum", "const", "default", "examples"):
-            _all_of_refs(value, in_all_of or key == "allOf", found)
-
-
-def _close(node, path: str, in_all_of: bool, shared: set[str]):
-    if isinstance(node, list):
-        return [_close(n, f"{path}/{i}", in_all_of, shared) for i, n in enumerate(node)]
-    if not isinstance(node, dict):
-        return node
-    in_all_of = in_all_of or path in shared
-    out = {}
-    for key, value in node.items():
-        if key in ("enum", "const", "default", "examples"):  # data, not schema
-            out[key] = value
-        else:
-            sub = f"{path}/{key.replace('~', '~0').replace('/', '~1')}"
-            out[key] = _close(value, sub, in_all_of or key == "allOf", shared)
-    if ("properties" in out and not in_all_of and "additionalProperties" not in out
-            and "patternProperties" not in out and "unevaluatedProperties" not in out):
-        out["additionalProperties"] = False
-    return out
-
 
 _ASCII_IN_CLASS = {"d": "0-9", "w": "0-9A-Za-z_", "s": r"\t\n\x0B\f\r "}
 
@@ -150,51 +108,6 @@ class GuidanceGrammar(BaseGrammarObject):
         return twin
 
 
-_DRAFTS = re.compile(r"^https?://json-schema\.org/(draft-0[3467]/schema|draft/20(19-09|20-12)/schema)#?$")
-
-
-def without_unknown_draft(schema):
-    """The schema without a ``$schema`` that names no JSON Schema draft (Snowplow's
-    ``iglu:`` URIs): llguidance would try to resolve it, and fail; validators read 2020-12."""
-    if isinstance(schema, dict) and isinstance(schema.get("$schema"), str) and not _DRAFTS.match(schema["$schema"]):
-        return {k: v for k, v in schema.items() if k != "$schema"}
-    return schema
-
-
-def _warnings(grammar: str) -> list[str]:
-    return list(llg.LLMatcher.validate_grammar_with_warnings(grammar)[1])
-
-
-_UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")
-_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
-
-
-def lenient_gaps(schema, warnings: list[str]) -> list:
-    """Where the keywords llguidance's lenient mode says it dropped are (schema_coverage)."""
-    keywords, formats = set(), set()
-    for w in warnings:
-        for found in _UNIMPLEMENTED.findall(w):
-            keywords.update(json.loads(found))
-        formats.update(_UNKNOWN_FORMAT.findall(w))
-        if "oneOf" in w:
-            keywords.add("oneOf")
-    gaps = keyword_gaps(schema, keywords)
-    if formats & STANDARD_FORMATS:  # others are annotations: no validator asserts them
-        gaps += [Gap("format", path) for node, path in schema_nodes(schema)
-                 if node.get("format") in formats & STANDARD_FORMATS]
-    return gaps
-
-
-def _json_overrides(opts: JsonOptions) -> dict:
-    if opts.disable_any_whitespace:
-        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-    if opts.whitespace_pattern is not None:
-        return {"whitespace_pattern": opts.whitespace_pattern}
-    if opts.max_whitespace:
-        return {"whitespace_pattern": f"{_WHITESPACE}{{0,{opts.max_whitespace}}}"}
-    return {"whitespace_flexible": True}
-
-
 class GuidanceBackend(BaseGrammarBackend):
     name = "llguidance"
     supports_json_layout = True
@@ -204,8 +117,6 @@ class GuidanceBackend(BaseGrammarBackend):
         self.tokenizer = ll_tokenizer
         self.mask_filler = GuidanceMaskFiller()
         self.json_options = config.json
-        self.unbounded_numbers = config.json.unbounded_numbers
-        self.json_overrides = _json_overrides(config.json)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, config: GrammarBackendConfig) -> "GuidanceBackend":
@@ -228,57 +139,15 @@ class GuidanceBackend(BaseGrammarBackend):
     def compile_json_schema(self, spec: str, strict: bool) -> GuidanceGrammar:
         # In its default mode llguidance refuses every keyword it does not enforce, so what
         # compiles is exact; otherwise its lenient mode drops those keywords and names them.
-        try:
-            return self.dispatch_json_schema(spec)
-        except ValueError as refused:
-            try:
-                value, warnings, compiled = self._json_matcher(spec, lenient=True)
-            except ValueError as e:
-                raise ValueError(f"{clean_error(refused)}; in lenient mode: {clean_error(e)}") from None
-        gaps = lenient_gaps(compiled, warnings)  # paths: the compiled schema keeps the user's
-        if not gaps and not warnings:  # refused for a reason lenient mode does not name
-            gaps = [f"(llguidance: {clean_error(refused)})"]
+        gaps, lenient = guidance_gaps(spec, self.json_options)
         if strict and gaps:
             raise StrictSchemaError(gaps, "the llguidance grammar backend does not enforce")
+        value = self._matcher(json_grammar(spec, self.json_options, lenient)[0])
         value.stats.gaps = tuple(str(g) for g in gaps)
         return value
 
     def dispatch_json_schema(self, spec: str) -> GuidanceGrammar:
-        return self._json_matcher(spec, lenient=False)[0]
-
-    def _json_matcher(self, spec: str, lenient: bool) -> tuple[GuidanceGrammar, list[str], object]:
-        """(matcher, llguidance's warnings, the schema compiled). Lenient: unsupported keywords
-        dropped, oneOf read as anyOf (after narrowing what json_one_of can make exact)."""
-        spec, opts = split_json_layout(spec, self.json_options)
-        overrides = self.json_overrides if opts is self.json_options else _json_overrides(opts)
-        defaults = {"lenient": True, "coerce_one_of": True} if lenient else None
-        schema = close_objects(without_unknown_draft(json.loads(spec)))
-        if not self.unbounded_numbers:
-            schema = bound_numbers(schema, LLGUIDANCE_BOUNDS)
-        if lenient and "oneOf" in spec:
-            schema = exclusive_one_of(schema) or schema
-        try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=defaults, overrides=overrides)
-            return self._matcher(grammar), _warnings(grammar) if lenient else [], schema
-        except ValueError as e:  # oneOf it cannot prove disjoint: narrow closed-object branches
-            exclusive = exclusive_one_of(schema) if "oneOf" in str(e) else None
-            if exclusive is None:
-                raise
-            grammar = llg.LLMatcher.grammar_from_json_schema(exclusive, defaults=defaults, overrides=overrides)
-            return self._matcher(grammar), [], exclusive
-
-    def _tag_schema(self, schema, max_whitespace):
-        """A structural tag's JSON schema with this backend's JSON options (as
-        dispatch_json_schema applies them); the tag's own whitespace bound wins."""
-        if not isinstance(schema, dict):
-            return schema
-        schema = close_objects(schema)
-        if not self.unbounded_numbers:
-            schema = bound_numbers(schema, LLGUIDANCE_BOUNDS)
-        opts = dict(self.json_overrides)
-        if max_whitespace and opts.get("whitespace_flexible") is not False:
-            opts = {"whitespace_pattern": f"{_WHITESPACE}{{0,{max_whitespace}}}"}
-        return {**schema, "x-guidance": {**schema.get("x-guidance", {}), **opts}}
+        return self._matcher(json_grammar(spec, self.json_options, lenient=False)[0])
 
     def dispatch_regex(self, spec: str) -> GuidanceGrammar:
         return self._matcher(llg.LLMatcher.grammar_from_regex(ascii_shorthands(spec)))
@@ -291,12 +160,22 @@ class GuidanceBackend(BaseGrammarBackend):
 
     def dispatch_structural_tag(self, spec: str) -> GuidanceGrammar:
         tag = json.loads(spec)
-        if "format" in tag:  # xgrammar's format style (a subset): tool calls use it
-            return self._matcher(llg.LLMatcher.grammar_from_lark(structural_tag_to_lark(tag, self._tag_schema)))
-        tags = []
-        for s in _structures(tag):
-            trigger = next((t for t in tag["triggers"] if s["begin"].startswith(t)), None)
-            if trigger is None:
-                raise ValueError(f"no trigger is a prefix of begin {s['begin']!r}")
-            tags.append(llg.StructTag(trigger=trigger, begin=s["begin"], grammar=s["schema"], end=s["end"]))
-        return self._matcher(llg.LLMatcher.grammar_from_lark(llg.StructTag.to_grammar(tags, assume_special=False)))
+        return self.compile_structural_tag(tag, plan_tag(tag_parts(tag), "llguidance", self.json_options))
+
+    def compile_structural_tag(self, tag: dict, plan: TagPlan) -> GuidanceGrammar:
+        """Each part exact, or lenient where the plan approximates it; our keywords gone."""
+        lib = map_parts(tag, lambda p: tag_schema(p.schema, self.json_options, p.max_whitespace,
+                                                  plan.lenient[p.index]))
+        if "format" in lib:  # xgrammar's format style (a subset): tool calls use it
+            value = self._matcher(llg.LLMatcher.grammar_from_lark(
+                structural_tag_to_lark(lib, lambda schema, _max_ws: schema)))
+        else:
+            tags = []
+            for s in _structures(lib):
+                trigger = next((t for t in lib["triggers"] if s["begin"].startswith(t)), None)
+                if trigger is None:
+                    raise ValueError(f"no trigger is a prefix of begin {s['begin']!r}")
+                tags.append(llg.StructTag(trigger=trigger, begin=s["begin"], grammar=s["schema"], end=s["end"]))
+            value = self._matcher(llg.LLMatcher.grammar_from_lark(llg.StructTag.to_grammar(tags, assume_special=False)))
+        value.stats.gaps = plan.gaps
+        return value

@@ -11,6 +11,8 @@ from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObje
 from constrained.grammar_config import GrammarBackendConfig, split_json_layout
 from constrained.json_number_bounds import XGRAMMAR_BOUNDS, bound_number_rule, bound_numbers
 from constrained.schema_coverage import StrictSchemaError, xgrammar_gaps
+from constrained.tag_parts import map_parts, tag_parts
+from constrained.tag_plan import TagPlan, plan_tag
 
 
 MAX_EXPORT_BYTES = 8 * 1024 * 1024  # compiled grammars larger than this are not exported
@@ -168,12 +170,27 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
 
     def dispatch_structural_tag(self, spec: str) -> XGrammarGrammar:
         tag = json.loads(spec)
-        if "format" in tag:  # xgrammar's own structural-tag format
-            return self._grammar(self.compiler.compile_structural_tag(spec))
-        # SGLang's format: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
-        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
-                 for s in _structures(tag)]
-        return self._grammar(self.compiler.compile_structural_tag(items, list(tag["triggers"])))
+        return self.compile_structural_tag(tag, plan_tag(tag_parts(tag), "xgrammar", self.json))
+
+    def compile_structural_tag(self, tag: dict, plan: TagPlan) -> XGrammarGrammar:
+        """The tag with our keywords stripped and numbers bounded as in json_schema (schema
+        bounds for integers, the bounded ``basic_number`` rule in the EBNF xgrammar prints)."""
+        def library_schema(part):
+            return part.schema if self.json.unbounded_numbers else bound_numbers(part.schema, XGRAMMAR_BOUNDS)
+
+        lib = map_parts(tag, library_schema)
+        if "format" in lib:  # xgrammar's own structural-tag format
+            grammar = xgr.Grammar.from_structural_tag(json.dumps(lib))
+        else:  # SGLang's format: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in _structures(lib)]
+            grammar = xgr.Grammar.from_structural_tag(items, list(lib["triggers"]))
+        ebnf = str(grammar)
+        if not self.json.unbounded_numbers and "\nbasic_number ::=" in "\n" + ebnf:
+            ebnf = bound_number_rule(ebnf)
+        value = self._grammar(self.compiler.compile_grammar(ebnf))
+        value.stats.gaps = plan.gaps
+        return value
 
 
 def _structures(tag: dict) -> list[dict]:

@@ -114,7 +114,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
             "num_dropped_messages": t.recv_drops.count,
             "num_refused_handshakes": t.transport.refused_handshakes,
             # Documents of approximate grammars checked against their schema (README).
-            "schema_validation": dataclasses.asdict(t.schema_validators.stats),
+            "schema_validation": dataclasses.asdict(t.documents.validators.stats),
             "version": __version__,
         })
 

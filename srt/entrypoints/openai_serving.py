@@ -24,7 +24,7 @@ from srt.entrypoints.openai_responses import (
 from srt.function_call.serving import ToolCalling
 from srt.managers.generate_input import check_fits_context
 from srt.managers.samples import combine_usage
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.managers.tokenizer_manager import OFFLOOP_CHARS, TokenizerManager
 from srt.security.http_guard import read_body_limited
 from srt.tokenizer_utils import apply_chat_template
 
@@ -46,6 +46,7 @@ async def read_json(request: Request) -> Any:
     """The JSON body, read up to --max-request-bytes (else RequestTooLarge: 413); a large
     body is parsed on a worker thread so the event loop keeps serving others."""
     body = await read_body_limited(request, request.app.state.http_guard.max_request_bytes)
+    request.state.body_bytes = len(body)  # handlers move large requests' work off the loop
     if len(body) > OFFLOOP_BODY_BYTES:
         return await asyncio.to_thread(parse_json_body, body)
     return parse_json_body(body)
@@ -139,7 +140,9 @@ def structured_output(meta: dict) -> dict:
     if fr is not None and meta.get("grammar") is not None:
         out["grammar"] = meta["grammar"]
     if fr is not None and fr["type"] == "schema_violation":
-        out["schema_violation"] = {k: fr[k] for k in ("message", "keyword", "path", "schema_path")}
+        # "part": the structural-tag part (a tool call's: its function name) that broke its schema
+        out["schema_violation"] = {k: fr[k] for k in ("message", "keyword", "path", "schema_path", "part")
+                                   if k in fr}
     return out
 
 
@@ -152,7 +155,11 @@ class OpenAIServing:
     async def _parse(self, request: Request, model_cls):
         """Parse and validate; a user error comes back as a 400 JSONResponse."""
         try:
-            body = model_cls.model_validate(await read_json(request))
+            data = await read_json(request)
+            if request.state.body_bytes > OFFLOOP_BODY_BYTES:  # a 10 MB tools list: ~100 ms
+                body = await asyncio.to_thread(model_cls.model_validate, data)
+            else:
+                body = model_cls.model_validate(data)
         except ValidationError as e:
             msg, param = validation_error_message(e)
             return None, error_response(msg, 400, param)
@@ -177,15 +184,10 @@ class OpenAIServing:
         if err is not None:
             return err
         try:
-            messages = [m.for_template() for m in body.messages]
-            tools, messages, tool_kwargs = ToolCalling.prepare(body, messages, self.tm.tokenizer, self.tm.server_args)
-            chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
-            check_fits_context(chars, self.tm.context_len, self.tm.max_token_chars)
-            ids = await self.tm.run_offloop(chars, apply_chat_template, self.tm.tokenizer, messages,
-                                            **(body.chat_template_kwargs or {}), **tool_kwargs)
-            obj = body.generate_input(uuid.uuid4().hex, input_ids=ids)
-            tools.constrain(obj.sampling_params)  # the tool-call grammar (srt/function_call)
-            obj.require_reasoning = body.requires_reasoning(self.tm.server_args.reasoning_parser)
+            if request.state.body_bytes > OFFLOOP_CHARS:  # tools, templating, tokenizing: off the loop
+                obj, tools = await asyncio.to_thread(self._prepare_chat, body)
+            else:
+                obj, tools = self._prepare_chat(body)
             req = await self.tm.prepare_request_async(obj)
         except ValueError as e:
             return error_response(str(e), param=getattr(e, "param", None))
@@ -207,6 +209,20 @@ class OpenAIServing:
                                                 **structured_output(meta)))
         resp = ChatCompletionResponse(id=f"chatcmpl-{req.rid}", model=model, usage=usage_of(outs), choices=choices)
         return JSONResponse(resp.model_dump())
+
+    def _prepare_chat(self, body) -> tuple[Any, ToolCalling]:
+        """The chat request as a GenerateReqInput, and its tool calling. Everything that
+        reaches the template counts toward the pre-tokenize length check (messages, the
+        history's calls, the tools list)."""
+        messages = [m.for_template() for m in body.messages]
+        tools, messages, tool_kwargs = ToolCalling.prepare(body, messages, self.tm.tokenizer, self.tm.server_args)
+        check_fits_context(ToolCalling.prompt_chars(messages, tool_kwargs), self.tm.context_len,
+                           self.tm.max_token_chars)
+        ids = apply_chat_template(self.tm.tokenizer, messages, **(body.chat_template_kwargs or {}), **tool_kwargs)
+        obj = body.generate_input(uuid.uuid4().hex, input_ids=ids)
+        tools.constrain(obj.sampling_params)  # the tool-call grammar (srt/function_call)
+        obj.require_reasoning = body.requires_reasoning(self.tm.server_args.reasoning_parser)
+        return obj, tools
 
     async def _chat_stream(self, req, model: str, include_usage: bool, tools, want_logprobs: bool
                            ) -> AsyncIterator[str]:

@@ -7,18 +7,24 @@ style (the llguidance backend translates it, constrained/structural_tag_lark.py)
 - auto: free text until the trigger, then a call; after it, text again (or the end, when
   ``parallel_tool_calls`` is false).
 
-Each call's arguments follow the function's parameters schema, so they always validate.
+Each call's arguments follow the function's parameters schema: exactly where a grammar
+library enforces every keyword (``function.strict`` demands it), else as closely as one
+can, and the frontend validates each completed call against the full schema
+(srt/managers/document_check.py). The part carries the function's name for messages.
 """
 from __future__ import annotations
 
 from typing import Optional
 
+from constrained.schema_coverage import with_strict
+from constrained.tag_parts import NAME_KEY
 from srt.function_call.formats import ToolCallFormat
 from srt.function_call.tools import ToolRequest, ToolSpec
 
 
 def _call_tag(fmt: ToolCallFormat, tool: ToolSpec, max_whitespace: Optional[int]) -> dict:
-    content = {"type": "json_schema", "json_schema": tool.parameters}
+    schema = {**tool.parameters, NAME_KEY: tool.name}
+    content = {"type": "json_schema", "json_schema": with_strict(schema, tool.strict)}
     if max_whitespace:  # --constrained-json-max-whitespace: a weak model cannot loop on spaces
         content["max_whitespace_cnt"] = max_whitespace
     return {"type": "tag", "begin": fmt.begin + tool.name + fmt.args_begin, "content": content, "end": fmt.end}

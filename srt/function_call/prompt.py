@@ -10,8 +10,7 @@ tags (consecutive results share one turn). README "Tool calling" documents both.
 """
 from __future__ import annotations
 
-import json
-
+from constrained.json_input import load_json_text
 from srt.function_call.formats import ToolCallFormat
 from srt.function_call.tools import ToolCallError, ToolRequest
 
@@ -69,12 +68,11 @@ def _with_parsed_calls(m: dict, i: int) -> dict:
             raise ToolCallError(f'{where}[{j}] must be {{"type": "function", "function": '
                                 f'{{"name": ..., "arguments": ...}}}}', "messages")
         args = fn.get("arguments", "{}")
-        if isinstance(args, str):
+        if isinstance(args, str):  # depth-checked: "[" * 5000 is a 400, not a RecursionError
             try:
-                args = json.loads(args or "{}")
-            except json.JSONDecodeError as e:
-                raise ToolCallError(f"{where}[{j}].function.arguments is not valid JSON: {e}",
-                                    "messages") from None
+                args = load_json_text(args or "{}", f"{where}[{j}].function.arguments")
+            except ValueError as e:
+                raise ToolCallError(str(e), "messages") from None
         if not isinstance(args, dict):
             raise ToolCallError(f"{where}[{j}].function.arguments must be a JSON object", "messages")
         parsed.append({**call, "type": "function", "function": {**fn, "arguments": args}})

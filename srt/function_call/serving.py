@@ -3,10 +3,14 @@ prepares the template input and the constraint, then turns the output into OpenA
 ``tool_calls`` (whole, or as stream deltas)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from constrained.strict_check import check_strict
+from constrained.tag_plan import StrictPartError
 from sampling.sampling_params import CONSTRAINT_FIELDS
+from srt.managers.document_check import json_options
 from srt.function_call.formats import ToolCallFormat, get_format
 from srt.function_call.grammar import tool_call_structural_tag
 from srt.function_call.parser import Delta, ToolCallParser
@@ -27,7 +31,36 @@ class ToolCalling:
         req = resolve(body.tools, body.tool_choice, body.parallel_tool_calls)
         msgs, kwargs = prepare_messages(messages, req, fmt, template_supports_tools(tokenizer))
         max_ws = getattr(server_args, "constrained_json_max_whitespace", 0) or None
-        return cls(req, fmt, tool_call_structural_tag(req, fmt, max_ws)), msgs, kwargs
+        tools = cls(req, fmt, tool_call_structural_tag(req, fmt, max_ws))
+        tools.check_strict(server_args)
+        return tools, msgs, kwargs
+
+    def check_strict(self, server_args) -> None:
+        """A tool with ``function.strict: true`` that no grammar serves exactly is a 400 naming
+        the tool, the keyword and its path, before any byte is sent (tag_plan.py)."""
+        if self.constraint is None or not any(t.strict for t in self.req.tools):
+            return
+        try:
+            check_strict(None, json.dumps(self.constraint), server_args.grammar_backend,
+                         json_options(server_args))
+        except StrictPartError as e:
+            index = [t["function"]["name"] for t in self.req.shown].index(e.part.name)
+            reason = str(e).split(": ", 1)[1]
+            raise ToolCallError(f"tools[{index}] ({e.part.name}): function.{reason}", "tools") from None
+
+    @staticmethod
+    def prompt_chars(messages: list[dict], template_kwargs: dict) -> int:
+        """Characters certain to reach the prompt: message contents, the history's calls and
+        the tools list (README "Tool calling"): the pre-tokenize length check counts them all."""
+        chars = 0
+        for m in messages:
+            chars += len(m["content"]) if isinstance(m.get("content"), str) else 0
+            for call in m.get("tool_calls") or ():
+                fn = call.get("function", {})
+                chars += len(fn.get("name", "")) + len(json.dumps(fn.get("arguments", ""), ensure_ascii=False))
+        if template_kwargs.get("tools"):
+            chars += len(json.dumps(template_kwargs["tools"], ensure_ascii=False))
+        return chars
 
     def constrain(self, sampling_params: dict) -> None:
         """Add the tool-call grammar to the request's sampling params (in place)."""
@@ -46,6 +79,8 @@ class ToolCalling:
         """(ChatMessageOut fields, finish_reason) of a finished output. A call cut short
         (max_tokens) stays in the content, as text."""
         if not self.req.active:
+            return {"content": text}, reason
+        if reason == "schema_violation":  # a call broke its tool's schema: none is returned as a call
             return {"content": text}, reason
         parser = ToolCallParser(self.fmt)
         parser.feed(text)

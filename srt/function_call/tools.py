@@ -79,6 +79,7 @@ def check_tool_choice(choice: Any, tools: Optional[list]) -> Any:
 class ToolSpec:
     name: str
     parameters: dict  # JSON schema of the arguments object
+    strict: bool = False  # OpenAI's function.strict: an exact grammar or a 400
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,8 @@ def resolve(tools: Optional[list], choice: Any, parallel: Optional[bool]) -> Too
         choice = "auto" if tools else "none"
     if choice == "none" or not tools:
         return ToolRequest("none", (), bool(parallel is not False), ())
-    specs = tuple(ToolSpec(t["function"]["name"], t["function"].get("parameters") or _EMPTY_PARAMETERS)
-                  for t in tools)
+    specs = tuple(ToolSpec(t["function"]["name"], t["function"].get("parameters") or _EMPTY_PARAMETERS,
+                           t["function"].get("strict") is True) for t in tools)
     mode = choice if isinstance(choice, str) else "named"
     if mode == "named":
         specs = tuple(s for s in specs if s.name == choice["function"]["name"])

@@ -16,9 +16,9 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 import zmq
 
 from constrained.reasoner_grammar_backend import THINK_END_TOKENS
-from constrained.schema_coverage import GrammarReport, needs_format_check
-from constrained.schema_validation import SchemaValidators, SchemaViolation
+from constrained.schema_coverage import GrammarReport
 from srt.managers.detokenizer import DecodeState
+from srt.managers.document_check import DocumentChecker
 from srt.managers.logprob_output import LogprobAccumulator
 from srt.managers.samples import merge_samples, split_samples
 from srt.managers.dp_dispatch import DPDispatcher
@@ -91,10 +91,10 @@ class TokenizerManager:
         self._handle_task: Optional[asyncio.Task] = None
         self.num_aborted = 0  # requests this frontend aborted (client gone), for server info
         self.metrics = create_frontend_metrics(server_args)  # None unless --enable-metrics
-        # Documents of approximate json_schema grammars are validated here, at finish: off the
-        # schedulers' step loop, with one compiled validator per schema (schema_validation.py).
-        self.schema_validators = SchemaValidators()
-        self.think_end = THINK_END_TOKENS.get(getattr(server_args, "reasoning_parser", None) or "")
+        # Schemas are checked (and strict decided) before a request is sent, and finished
+        # documents validated here: off the schedulers' step loop (document_check.py).
+        self.documents = DocumentChecker(
+            server_args, THINK_END_TOKENS.get(getattr(server_args, "reasoning_parser", None) or ""))
         # Set by the launcher so /health can report dead scheduler processes.
         self.scheduler_alive: Callable[[], bool] = lambda: True
 
@@ -114,8 +114,7 @@ class TokenizerManager:
             raise ValueError("The request holds a value that cannot be sent to the scheduler: "
                              "strings must be valid Unicode (no lone surrogates) and values "
                              "plain JSON.") from None
-        if req.sampling_params.json_schema is not None:  # only a schema that is itself invalid is refused
-            self.schema_validators.check_schema(req.sampling_params.json_schema)
+        self.documents.check_request(req.sampling_params)
         self.check_new_rid(req.rid)
         return req
 
@@ -133,12 +132,6 @@ class TokenizerManager:
         if size > OFFLOOP_CHARS:
             return await asyncio.to_thread(self.prepare_request, obj)
         return self.prepare_request(obj)
-
-    async def run_offloop(self, size: int, fn: Callable, *args, **kwargs):
-        """``fn(*args, **kwargs)``, on a worker thread when ``size`` (characters) is large."""
-        if size > OFFLOOP_CHARS:
-            return await asyncio.to_thread(fn, *args, **kwargs)
-        return fn(*args, **kwargs)
 
     # ---- request lifecycle --------------------------------------------------------
     async def generate_request(
@@ -275,26 +268,15 @@ class TokenizerManager:
             self._check_document(state)
 
     def _check_document(self, state: _ReqState) -> None:
-        """A finished document of an approximate json_schema grammar (or of one whose formats
-        the grammar checks only for syntax: schema_coverage.needs_format_check), against the
-        full schema. Only a document the grammar completed (EOS, not a stop string or
-        max_tokens) is one."""
-        report, reason, schema = state.grammar, state.finish_reason, state.req.sampling_params.json_schema
-        if schema is None or (report.exact and not needs_format_check(schema)):
-            return  # exact grammars pay no validation
-        violated = False
-        if reason.type == "stop" and not isinstance(reason.matched, str):
-            text = state.decode.visible_text(True, None)
-            if state.req.require_reasoning and self.think_end:
-                text = text.rsplit(self.think_end, 1)[-1]  # the constraint starts after thinking
-            try:
-                violation = self.schema_validators.validate(schema, text)
-            except ValueError as e:  # a schema the validator cannot build: say so, never "valid"
-                violation = SchemaViolation(f"The schema could not be validated: {e}", "schema", "#", "#")
-            if violation is not None:
-                state.violation, violated = violation.to_json(), True
-        if self.metrics is not None:
-            self.metrics.on_validated(report.backend, not report.exact, violated)
+        """The finished output's JSON documents against their full schemas (document_check.py)."""
+        reason = state.finish_reason
+        matched = reason.matched if isinstance(reason.matched, str) else None
+        params = state.req.sampling_params
+        violation, _ = self.documents.check_finished(
+            params, state.grammar, reason, state.decode.visible_text(True, matched), state.req.require_reasoning)
+        state.violation = violation
+        if self.metrics is not None and (params.json_schema or params.structural_tag) is not None:
+            self.metrics.on_validated(state.grammar.backend, not state.grammar.exact, violation is not None)
 
     def _make_output(self, state: _ReqState) -> dict:
         reason = state.finish_reason

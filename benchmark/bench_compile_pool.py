@@ -30,7 +30,7 @@ sys.path.insert(0, REPO)
 
 from constrained.registry import create_grammar_backend  # noqa: E402
 from srt.grammar_pool.client import CompilePoolClient  # noqa: E402
-from srt.grammar_pool.messages import pool_address  # noqa: E402
+from srt.grammar_pool.private_dir import new_pool_dir, pool_socket_address  # noqa: E402
 from srt.grammar_pool.service import STOP_SIGNAL, PoolConfig, start_pool_service  # noqa: E402
 from srt.server_args import ServerArgs  # noqa: E402
 
@@ -60,7 +60,8 @@ def tree_cpu(proc: psutil.Process) -> float:
 
 
 def pool_cpu(args, backend, ranks: int, keys) -> float:
-    directory, address = pool_address(uuid.uuid4().hex, 0)
+    directory = new_pool_dir()
+    address = pool_socket_address(directory)
     service = start_pool_service(PoolConfig(args, VOCAB, EOS, 0, directory, address, 2, 600.0))
     try:
         clients = [CompilePoolClient(address, f"[TP{r}]") for r in range(ranks)]

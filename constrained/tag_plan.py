@@ -39,9 +39,13 @@ class StrictPartError(StrictSchemaError):
     def __init__(self, part: TagPart, gaps: list, who: str) -> None:
         super().__init__(gaps, who)
         self.part = part
-        why = ("" if part.strict else " (a json_schema outside a tag is not found again in the output "
-               "to be validated, so only an exact grammar can serve it)")
-        self.args = (f"{part.name}: {self.args[0]}{why}",)
+        if part.strict:
+            self.args = (f"{part.name}: {self.args[0]}",)
+        else:
+            listed = ", ".join(str(g) for g in self.gaps[:20]) or "it cannot tell"
+            self.args = (f"{part.name}: a json_schema outside a tag is not found again in the output to be "
+                         f"validated, so only a grammar that enforces every keyword of its schema can serve "
+                         f"it, but {who}: {listed}. Put it inside a tag (begin, content, end).",)
 
 
 def xgrammar_reading(parts: list[TagPart]) -> Reading:

@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from distributed.parallel_state import SINGLE_RANK, RankInfo, TPGroup
@@ -21,7 +22,9 @@ logger = logging.getLogger(__name__)
 class DistConfig:
     """How a rank joins the world. Frozen: crosses the spawn boundary."""
 
-    init_method: str  # "tcp://host:port" or "env://" (torchrun)
+    # "file://PATH" (one node: a file in the private run directory), "tcp://host:port"
+    # (several nodes: torch's TCPStore at --dist-init-addr) or "env://" (torchrun's store)
+    init_method: str
     device_backend: str  # "gloo" (CPU) or "nccl" (CUDA)
     timeout_s: float  # rendezvous and every collective (gloo/NCCL raise past it)
 
@@ -43,6 +46,8 @@ def init_process_groups(rank: RankInfo, cfg: DistConfig) -> tuple[TPGroup, Optio
     world = dist.group.WORLD
     if rank.tp_size == 1:
         return SINGLE_RANK, world
+    if cfg.device_backend == "nccl":  # NCCL binds each communicator to the current device
+        torch.cuda.set_device(rank.local_rank)
     mine = None
     for dp in range(rank.dp_size):
         ranks = list(range(dp * rank.tp_size, (dp + 1) * rank.tp_size))

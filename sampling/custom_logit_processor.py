@@ -30,7 +30,9 @@ class CustomLogitProcessor(abc.ABC):
     @abc.abstractmethod
     def __call__(self, logits: torch.Tensor, custom_param_list: list[Optional[dict]]) -> torch.Tensor:
         """``logits``: float32 rows [n, V] of the requests using this processor, with one
-        ``custom_params`` dict (or None) per row. Return the new logits (in place is fine)."""
+        ``custom_params`` dict (or None) per row. Return the new logits (in place is fine).
+        They arrive penalized but not yet masked or biased: the grammar mask comes after,
+        so a processor cannot make a token the request's constraint forbids samplable."""
 
     def validate_params(self, custom_params: Optional[dict], vocab_size: int) -> None:
         """Frontend hook: raise ValueError for parameters ``__call__`` could not use."""

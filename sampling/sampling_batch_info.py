@@ -4,9 +4,11 @@ Built once when requests are prefilled (``from_reqs``), then ``filter_batch`` dr
 finished / aborted / retracted requests and ``merge_batch`` appends newly prefilled ones,
 so per-request tensors and penalizer state are never rebuilt from scratch.
 
-``apply_logits_bias`` runs, in exactly this order: penalties (``penaltylib``), the grammar
-vocab mask, the logit bias, then custom logit processors. A bias therefore cannot lift a
-masked token (-inf + b = -inf) and penalties act on the model's logits, not on biased ones.
+``apply_logits_bias`` runs, in exactly this order: penalties (``penaltylib``), custom logit
+processors, the grammar vocab mask, then the logit bias. Neither a processor nor a bias can
+lift a masked token: the mask overwrites whatever a processor wrote with -inf, and the bias,
+finite by validation, adds to -inf (-inf + b = -inf). Penalties act on the model's logits,
+not on biased ones.
 """
 from __future__ import annotations
 
@@ -211,18 +213,20 @@ class SamplingBatchInfo:
         return [i for i in rows if empty[i] or self.grammars[i].has_error()]
 
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
-        """In place, in this order: penalties, vocab mask, logit bias, custom processors."""
+        """In place, in this order: penalties, custom processors, vocab mask, logit bias.
+        The mask comes after the processors so none can raise a token the grammar forbids
+        (the grammar would reject the sampled token and the request would fail)."""
         if self.penalizer_orchestrator.is_required:
             self.penalizer_orchestrator.apply(logits)
-        if self.vocab_mask is not None:
-            start = time.perf_counter()
-            apply_token_bitmask_inplace(logits, self.vocab_mask)
-            self.mask_apply_seconds = time.perf_counter() - start
-        if any(self.logit_bias):
-            rows, cols, vals = self._logit_bias_index()
-            logits.index_put_((rows, cols), vals, accumulate=True)
         if any(p is not None for p in self.custom_processors):
             self._apply_custom_processors(logits)
+        if self.vocab_mask is not None:
+            start = time.perf_counter()
+            apply_token_bitmask_inplace(logits, self.vocab_mask)  # sets -inf, whatever was there
+            self.mask_apply_seconds = time.perf_counter() - start
+        if any(self.logit_bias):  # finite (validated): -inf + b stays -inf
+            rows, cols, vals = self._logit_bias_index()
+            logits.index_put_((rows, cols), vals, accumulate=True)
 
     def _logit_bias_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sparse (row, token, bias) triples, cached until the rows change."""

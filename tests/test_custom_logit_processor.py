@@ -1,16 +1,27 @@
 """CustomLogitProcessor: by-name (de)serialisation, its error messages, the built-in
-DisallowedTokensLogitsProcessor, and the frontend checks in prepare_request."""
+DisallowedTokensLogitsProcessor, the frontend checks in prepare_request, and that a
+processor cannot lift the grammar mask (real grammars; a real server)."""
 import json
 import pickle
 
+import httpx
+import jsonschema
 import pytest
 import torch
 
+from constrained.bitmask_ops import unpack_bitmask
+from constrained.grammar_config import GrammarBackendConfig, JsonOptions
+from constrained.llguidance_backend import GuidanceBackend
+from constrained.xgrammar_backend import XGrammarGrammarBackend
 from sampling.custom_logit_processor import (
     CustomLogitProcessor, DisallowedTokensLogitsProcessor, validate_custom_logit_processor,
 )
+from sampling.sampler import Sampler
+from sampling.sampling_batch_info import SamplingBatchInfo
+from sampling.sampling_params import SamplingParams
 from srt.managers.generate_input import GenerateReqInput, prepare_request
 from srt.managers.io_struct import SchedulerInfo
+from srt.managers.req import Req
 
 INFO = SchedulerInfo(max_total_num_tokens=4096, max_running_requests=8, context_len=8192,
                      vocab_size=10, eos_token_ids=(2,))
@@ -24,6 +35,16 @@ class AddDelta(CustomLogitProcessor):
         for i, p in enumerate(custom_param_list):
             if p is not None:
                 logits[i] += p["delta"]
+        return logits
+
+
+class BoostTokens(CustomLogitProcessor):
+    """Test processor: custom_params["token_ids"] get logit +1e4 (tokens a grammar forbids)."""
+
+    def __call__(self, logits, custom_param_list):
+        for i, p in enumerate(custom_param_list):
+            if p is not None:
+                logits[i, p["token_ids"]] = 1e4
         return logits
 
 
@@ -150,3 +171,75 @@ def test_constraints_pass_to_the_scheduler_next_to_a_processor(kind, spec):
                    sampling_params={kind: spec, "custom_params": {"token_ids": [1]}})
     assert req.sampling_params.constraint[0] == kind
     assert req.sampling_params.custom_logit_processor == DISALLOW
+
+
+# ---- a processor cannot lift the grammar mask (penalties -> processors -> mask -> bias) ----
+SMOL_VOCAB, SMOL_EOS, HELLO = 49152, (2,), 19556  # "Hello" in SmolLM2's vocabulary
+# "Hello" fits nowhere in these: the grammar forbids it at every step.
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+          "additionalProperties": False}
+BACKENDS = {"xgrammar": XGrammarGrammarBackend, "llguidance": GuidanceBackend}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_processor_boost_cannot_lift_the_grammar_mask(backend, smollm2_tokenizer):
+    """Rows 0 (greedy) and 1 (seeded, plus a +100 logit bias) are constrained, row 2 is not:
+    every processor boosts "Hello" to +1e4; only the free row may sample it."""
+    assert smollm2_tokenizer.convert_tokens_to_ids("Hello") == HELLO
+    compiler = BACKENDS[backend].from_tokenizer(
+        smollm2_tokenizer, GrammarBackendConfig(SMOL_VOCAB, SMOL_EOS, JsonOptions()))
+    boost = {"custom_logit_processor": BoostTokens.to_str(), "custom_params": {"token_ids": [HELLO]}}
+    params = [dict(temperature=0), dict(temperature=1.0, seed=3, logit_bias=((HELLO, 100.0),)),
+              dict(temperature=0)]
+    reqs = [Req(f"r{i}", (1, 2), SamplingParams(max_new_tokens=32, **p, **boost), False,
+                frozenset(SMOL_EOS)) for i, p in enumerate(params)]
+    for r in reqs[:2]:
+        r.grammar = compiler.dispatch(("json_schema", json.dumps(ANSWER)))
+    info = SamplingBatchInfo.from_reqs(reqs, SMOL_VOCAB, "cpu", torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    texts = ["", ""]
+    for _ in range(24):
+        logits = torch.randn(3, SMOL_VOCAB, generator=g) * 4
+        info.update_regex_vocab_mask()
+        allowed = unpack_bitmask(info.vocab_mask, SMOL_VOCAB)
+        info.apply_logits_bias(logits)
+        assert logits[:2, HELLO].tolist() == [float("-inf")] * 2 and logits[2, HELLO] == 1e4
+        ids = Sampler()(logits, info).tolist()
+        assert not info.take_failed_rows()
+        assert ids[2] == HELLO  # the processor really ran
+        for i in (0, 1):
+            assert allowed[i, ids[i]] and ids[i] != HELLO, (i, ids[i])
+            reqs[i].grammar.accept_token(ids[i])  # raises on a token the grammar rejects
+            texts[i] += smollm2_tokenizer.decode([ids[i]])
+        info.cumulate_output_tokens(torch.tensor(ids))
+        if any(r.grammar.is_terminated() for r in reqs[:2]):
+            break
+    assert all(t.lstrip().startswith("{") for t in texts), texts
+
+
+# The server imports the class by this name: it runs from the repository root, where
+# tests/ is a namespace package (in this process the module is test_custom_logit_processor).
+SERVER_BOOST = json.dumps({"callable": "tests.test_custom_logit_processor:BoostTokens"})
+
+
+@pytest.mark.parametrize("kind,spec", [("json_schema", json.dumps(ANSWER)), ("regex", "(yes|no)")])
+def test_server_processor_boost_keeps_the_constraint(server, kind, spec):
+    """--enable-custom-logit-processor server: a processor boosting a token the constraint
+    forbids gives HTTP 200 and a valid document (it used to end in a 500)."""
+    def generate(**constraint):
+        body = {"text": "Answer with a number.", "custom_logit_processor": SERVER_BOOST,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 40,
+                                    "custom_params": {"token_ids": [HELLO]}, **constraint}}
+        return httpx.post(server + "/generate", json=body, timeout=120)
+
+    free = generate()
+    assert free.status_code == 200, free.text
+    assert free.json()["text"].startswith("HelloHello")  # the server runs the processor
+    r = generate(**{kind: spec})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(out["text"]), ANSWER)
+    else:
+        assert out["text"] in ("yes", "no")

@@ -19,7 +19,7 @@ from constrained.outlines_backend import OutlinesGrammarBackend
 from constrained.registry import create_grammar_backend
 from constrained.xgrammar_backend import XGrammarGrammarBackend
 from srt.grammar_pool.client import CompilePoolClient
-from srt.grammar_pool.messages import pool_address
+from srt.grammar_pool.private_dir import new_pool_dir, pool_socket_address
 from srt.grammar_pool.service import STOP_SIGNAL, PoolConfig, start_pool_service
 from srt.server_args import ServerArgs
 
@@ -64,7 +64,8 @@ def test_exported_grammar_loads_back_and_constrains_alike(make, smollm2_tokenize
 def pool(smollm2_dir, smollm2_tokenizer):
     """A real pool service (2 workers, 3 s timeout) and the rank-side backend it serves."""
     args = ServerArgs(model_path=smollm2_dir, grammar_backend="xgrammar", log_level="warning")
-    directory, address = pool_address(uuid.uuid4().hex, 0)
+    directory = new_pool_dir()
+    address = pool_socket_address(directory)
     service = start_pool_service(PoolConfig(args, VOCAB, EOS, 0, directory, address, 2, 3.0))
     backend = create_grammar_backend(args, smollm2_tokenizer, VOCAB, EOS)
     try:
@@ -201,7 +202,8 @@ def test_grammar_too_large_to_ship_is_rebuilt_on_the_rank(monkeypatch, smollm2_t
     assert backend.init_value(key).export()[0] == "xgrammar"
     monkeypatch.setattr(xgb, "MAX_EXPORT_BYTES", 0)
     assert backend.init_value(key).export() == ("rebuild", b"")
-    client = CompilePoolClient("ipc:///nonexistent/pool", "[r0]")  # only its loading is used
+    directory = new_pool_dir()  # a client connects only in a private directory
+    client = CompilePoolClient(pool_socket_address(directory), "[r0]")  # only its loading is used
     try:
         header = CompileResult(key[0], key[1], "rebuild", 1.5, 1.4, "xgrammar")
         grammar = client._load(backend, header, None)
@@ -209,3 +211,4 @@ def test_grammar_too_large_to_ship_is_rebuilt_on_the_rank(monkeypatch, smollm2_t
         assert accepts(grammar, smollm2_tokenizer, '{"name": "Ann", "age": 7}')
     finally:
         client.close()
+        os.rmdir(directory)

@@ -147,7 +147,7 @@ def test_penalties_keep_minus_inf_and_make_no_nan():
     assert not torch.tensor(out).isnan().any()
 
 
-# ---- SamplingBatchInfo.apply_logits_bias: penalties -> vocab mask -> bias -> custom ---------
+# ---- SamplingBatchInfo.apply_logits_bias: penalties -> custom -> vocab mask -> bias ---------
 class Recorder(CustomLogitProcessor):
     """Records the logits it is given (to see what ran before it); changes nothing."""
 
@@ -197,7 +197,7 @@ def test_min_new_tokens_mask_survives_positive_bias():
     assert out == [[0, 1, 2, 3, 4, 5, 6, 107]] and ids == [EOS]
 
 
-def test_custom_processor_runs_last_and_sampling_follows():
+def test_custom_processor_runs_before_mask_and_bias_and_sampling_follows():
     rec = Recorder.to_str()
     info = info_for(mk(prompt=(5,), out=(5,), temperature=0, frequency_penalty=2.0,
                        logit_bias=((2, 3.0),), custom_logit_processor=rec),
@@ -208,5 +208,6 @@ def test_custom_processor_runs_last_and_sampling_follows():
     out, ids = pipeline(info, [BASE, BASE])
     first = [0, 1, 5, 3, 4, 3, 6, -INF]
     assert out == [first, [0, 1, 2, 3, 4, 5, 3, -INF]]
-    assert [t.tolist() for t in Recorder.seen] == [[first]]  # saw penalties, mask and bias
+    # It saw the penalty only: the mask (token 7) and the bias (token 2) come after it.
+    assert [t.tolist() for t in Recorder.seen] == [[[0, 1, 2, 3, 4, 3, 6, 7]]]
     assert ids[0] == 6 and ids[1] in (4, 5)  # top-2 of the penalized, masked row

@@ -1,14 +1,18 @@
 """SamplingBatchInfo kept in step by filter_batch / merge_batch equals a fresh from_reqs of
 the same requests (penalizer state included); and, with the real SmolLM2 scheduler, every
 request whose batch loses and gains rows (or which is retracted and resumed) produces
-exactly the tokens it produces alone."""
+exactly the tokens it produces alone. Neither a custom processor nor a logit bias lifts the
+grammar mask, on every CPU path of the bitmask apply."""
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
+import xgrammar
 
+from constrained import bitmask_ops
+from constrained.bitmask_ops import unpack_bitmask
 from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from sampling.sampling_params import SamplingParams
@@ -18,6 +22,7 @@ from srt.managers.req import Req
 from srt.managers.scheduler import Scheduler
 from srt.model_config import ModelConfig
 from srt.server_args import ServerArgs
+from test_custom_logit_processor import BoostTokens
 
 V, EOS = 8, 7
 _TENSORS = ("temperatures", "top_ps", "top_ks", "min_ps", "greedy_mask")
@@ -125,6 +130,69 @@ def test_derived_flags_follow_filter_and_merge():
     assert (greedy.is_all_greedy, greedy.need_top_k, greedy.need_top_p, greedy.need_min_p) == \
         (False, True, False, False)
     assert not greedy.penalizer_orchestrator.is_required and greedy.positions == [2]
+
+
+# ---- neither a processor nor a bias lifts the mask, on every CPU bitmask path ----------------
+BIG_V = 49157  # SmolLM2-sized, plus a partial last mask word
+
+
+def _random_words(n: int, g: torch.Generator) -> torch.Tensor:
+    return (torch.randint(0, 2**32, (n,), generator=g) - 2**31).to(torch.int32)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_processor_and_bias_cannot_lift_the_mask_on_any_cpu_path(contiguous, monkeypatch):
+    """Rows built for apply_token_bitmask_inplace's CPU paths: 0 allows a few words (saved,
+    filled, restored), 1 is dense (tiles), 2 is nearly all allowed (xgrammar's C loop for a
+    contiguous mask, else the sparse index fill), 3 allows everything. On each, a processor
+    boosts forbidden tokens to +1e4 and the bias adds +100 to others: all stay -inf."""
+    g = torch.Generator().manual_seed(0)
+    words = (BIG_V + 31) // 32
+    buf = torch.full((4, words + 3), -1, dtype=torch.int32)
+    mask = buf[:, :words]  # a column slice: not contiguous
+    mask[0] = 0
+    mask[0, torch.randperm(words, generator=g)[:20]] = _random_words(20, g)
+    mask[1] = _random_words(words, g)
+    mask[2, torch.randperm(words, generator=g)[:30]] = _random_words(30, g)
+    if contiguous:
+        mask = mask.contiguous()
+    allowed = unpack_bitmask(mask, BIG_V)
+    reqs, boosted, biased = [], [], []
+    for i in range(4):
+        pool = (~allowed[i]).nonzero().squeeze(1) if i < 3 else torch.arange(BIG_V)
+        pick = pool[torch.randperm(len(pool), generator=g)[:8]].tolist()
+        boosted.append(pick[:4])
+        biased.append(tuple((t, 100.0) for t in pick[4:]))
+        reqs.append(Req(f"m{i}", (1,), SamplingParams(
+            temperature=0, logit_bias=biased[-1], custom_logit_processor=BoostTokens.to_str(),
+            custom_params={"token_ids": boosted[-1]}), False, frozenset({0})))
+    info = SamplingBatchInfo.from_reqs(reqs, BIG_V, "cpu", torch.Generator().manual_seed(0))
+    info.vocab_mask = mask
+    logits = torch.randn(4, BIG_V, generator=g)
+    for i in range(3):  # whatever a forbidden logit held, it ends -inf
+        logits[i, biased[i][0][0]] = float("nan")
+        logits[i, biased[i][1][0]] = float("inf")
+    want = logits.clone()
+    for i in range(4):
+        want[i, boosted[i]] = 1e4
+    want.masked_fill_(~allowed, float("-inf"))
+    for i in range(4):
+        for t, b in biased[i]:
+            want[i, t] += b
+    paths = []  # which CPU paths ran: the premise of this test
+    for name in ("_apply_few_allowed", "_apply_tiles", "_apply_sparse"):
+        fn = getattr(bitmask_ops, name)
+        monkeypatch.setattr(bitmask_ops, name, lambda *a, _f=fn, _n=name: paths.append(_n) or _f(*a))
+    c_loop = xgrammar.apply_token_bitmask_inplace
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace",
+                        lambda *a, **k: paths.append("xgrammar") or c_loop(*a, **k))
+    info.apply_logits_bias(logits)
+    assert {"_apply_few_allowed", "_apply_tiles",
+            "xgrammar" if contiguous else "_apply_sparse"} <= set(paths), paths
+    assert torch.equal(logits, want)
+    assert (logits[~allowed] == float("-inf")).all() and (logits[3, boosted[3]] == 1e4).all()
+    ids = Sampler()(logits, info)
+    assert allowed[torch.arange(4), ids].all() and ids[3].item() in boosted[3]
 
 
 # ---- the real scheduler --------------------------------------------------------------------

@@ -42,8 +42,14 @@ def prepare_server_args(server_args: ServerArgs) -> ServerArgs:
     return dataclasses.replace(server_args, model_path=model_dir, served_model_name=name).resolved()
 
 
-def dist_config(server_args: ServerArgs, init_method: Optional[str] = None) -> DistConfig:
-    if init_method is None:
+def dist_config(server_args: ServerArgs, init_method: Optional[str] = None,
+                run_dir: Optional[str] = None) -> DistConfig:
+    """``init_method`` given: torchrun's "env://" (its own store). Otherwise one node with a
+    private ``run_dir`` keeps torch's store in a file there, so the store listens on no
+    TCP port; several nodes meet at the TCPStore of --dist-init-addr."""
+    if init_method is None and server_args.nnodes == 1 and run_dir is not None:
+        init_method = f"file://{os.path.join(run_dir, 'dist_store')}"
+    elif init_method is None:
         addr = server_args.dist_init_addr or f"127.0.0.1:{free_port()}"
         init_method = f"tcp://{addr}"
     backend = "nccl" if server_args.resolved_device() == "cuda" else "gloo"
@@ -123,11 +129,13 @@ def launch_schedulers(server_args: ServerArgs, port_args: PortArgs,
     """Node 0 (with the frontend): spawn this node's ranks, wait for the whole world.
     ``defer_stop_signals``: the ranks serve on through SIGTERM (a server's drain)."""
     transport = transport_for(port_args, server_args.cluster_secret_file, "launcher")
-    ready, _ = transport.bind(zmq.PULL, port_args.ready_ipc)
+    ready, _ = transport.bind(zmq.PULL, port_args.ready_ipc)  # checks its directory is private
+    # One node: the IPC files' private (mkdtemp, 0700) directory also holds torch's store.
+    run_dir = None if port_args.is_tcp else os.path.dirname(port_args.ready_ipc[len("ipc://"):])
     handles = SchedulerHandles([])
     try:
-        handles.procs = spawn_local_ranks(server_args, port_args, dist_config(server_args),
-                                          defer_stop_signals)
+        dist = dist_config(server_args, run_dir=run_dir)
+        handles.procs = spawn_local_ranks(server_args, port_args, dist, defer_stop_signals)
         wait_for_ranks(ready, server_args, handles)
     except BaseException:
         handles.shutdown()

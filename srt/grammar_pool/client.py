@@ -20,6 +20,7 @@ import zmq
 
 from constrained.base_grammar_backend import InvalidGrammarObject
 from srt.grammar_pool.messages import RESULT_CODEC, TASK_CODEC, CompileRelease, CompileTask
+from srt.grammar_pool.private_dir import pool_endpoint_problem
 from srt.grammar_pool.worker import lowest_cpu_priority
 from srt.managers.wire import WireError
 
@@ -29,6 +30,11 @@ _ids = itertools.count()
 
 class CompilePoolClient:
     def __init__(self, address: str, log_prefix: str = "") -> None:
+        """PermissionError (naming the path) unless ``address`` is a socket in a directory
+        private to us: whoever binds it answers with grammars this rank trusts."""
+        problem = pool_endpoint_problem(address)
+        if problem is not None:
+            raise PermissionError(problem)
         self.log_prefix = log_prefix
         self._zmq = zmq.Context()
         self._sock = self._zmq.socket(zmq.DEALER)  # used by the I/O thread only

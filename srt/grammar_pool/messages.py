@@ -3,9 +3,6 @@ never pickle. A compiled grammar travels as a raw frame after its ``CompileResul
 xgrammar's serialised form of a large grammar runs to hundreds of MB."""
 from __future__ import annotations
 
-import hashlib
-import os
-import tempfile
 from dataclasses import dataclass
 
 from srt.managers.wire import MessageCodec
@@ -51,12 +48,3 @@ class WorkerReady:
 
 TASK_CODEC = MessageCodec(CompileTask, CompileRelease)
 RESULT_CODEC = MessageCodec(CompileResult, WorkerReady)
-
-
-def pool_address(shared_token: str, node_rank: int) -> tuple[str, str]:
-    """(private directory, IPC address) of a node's pool. ``shared_token`` is the same on
-    every rank of the server (world rank 0 decided it), so the node's ranks find the pool
-    without a message; the node rank keeps two 'nodes' on one machine (tests) apart."""
-    digest = hashlib.blake2b(shared_token.encode(), digest_size=8).hexdigest()
-    directory = os.path.join(tempfile.gettempdir(), f"gramsync-grammar-{digest}-node{node_rank}")
-    return directory, f"ipc://{directory}/pool"

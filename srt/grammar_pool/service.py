@@ -28,6 +28,7 @@ import zmq
 
 from srt.grammar_pool.messages import (RESULT_CODEC, TASK_CODEC, CompileRelease, CompileResult,
                                        CompileTask, WorkerReady)
+from srt.grammar_pool.private_dir import pool_dir_problem
 from srt.grammar_pool.worker import build_backend, lowest_cpu_priority, run_worker
 from srt.managers.wire import WireError
 
@@ -54,7 +55,7 @@ class PoolConfig:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     node_rank: int
-    directory: str  # private (0700) directory holding the IPC socket
+    directory: str  # private (mkdtemp, 0700) directory holding the IPC socket; checked at bind
     address: str
     num_workers: int
     timeout_s: float
@@ -84,12 +85,15 @@ class Worker:
 
 class PoolService:
     def __init__(self, config: PoolConfig, backend) -> None:
+        """PermissionError (naming the path) unless ``config.directory`` is private to us:
+        never bind in, or adopt, a directory another user made or can enter."""
+        problem = pool_dir_problem(config.directory)
+        if problem is not None:
+            raise PermissionError(problem)
         self.config, self.backend = config, backend
         # fork: workers inherit the built backend. The service's only other threads are
         # ZMQ's, which a worker never touches (it exits with os._exit, multiprocessing's way).
         self.ctx = mp.get_context("fork")
-        os.makedirs(config.directory, mode=0o700, exist_ok=True)
-        os.chmod(config.directory, 0o700)
         self.zmq = zmq.Context()
         self.sock = self.zmq.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # results are few; never drop one
@@ -274,6 +278,14 @@ def main() -> None:
     from srt.process_utils import die_with_parent
 
     config: PoolConfig = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(level=getattr(logging, config.server_args.log_level.upper()),
+                        format=f"%(asctime)s [grammar_pool node{config.node_rank}] "
+                               "%(levelname)s %(name)s: %(message)s")
+    # Checked before the stop handler exists: a directory that is not ours is never removed.
+    problem = pool_dir_problem(config.directory)
+    if problem is not None:
+        logger.error("refusing to start the grammar compile pool: %s", problem)
+        sys.exit(1)
 
     def stop(signum, frame) -> None:  # the rank is gone or closed us: leave no socket file
         shutil.rmtree(config.directory, ignore_errors=True)
@@ -286,9 +298,6 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setproctitle.setproctitle(f"gramsync::grammar_pool_node{config.node_rank}")
-    logging.basicConfig(level=getattr(logging, config.server_args.log_level.upper()),
-                        format=f"%(asctime)s [grammar_pool node{config.node_rank}] "
-                               "%(levelname)s %(name)s: %(message)s")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # its thread pool must not exist at fork
     import torch
 

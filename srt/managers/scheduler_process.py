@@ -66,7 +66,9 @@ def run_scheduler_process(launch: RankLaunch) -> None:
         import torch
 
         from distributed.broadcast import broadcast_pyobj
+        from distributed.node_share import share_from_node_leader
         from distributed.process_groups import init_process_groups
+        from srt.grammar_pool.node_pool import make_pool_dir, start_node_pool
         from srt.managers.batch_log import BatchLog
         from srt.managers.cluster_address import this_node_address
         from srt.managers.request_receiver import OutputSender, RequestReceiver
@@ -87,16 +89,17 @@ def run_scheduler_process(launch: RankLaunch) -> None:
         if world is not None:  # world rank 0 decides; everyone must use the same values
             port_args, seed = broadcast_pyobj((port_args, seed), rank_info.world_rank == 0, 0, world)
         server_args = dataclasses.replace(server_args, random_seed=seed)
+        # The node's first rank makes its compile pool's private directory; every rank of
+        # the world takes part in handing out its path (one collective, whatever the flags).
+        pool_dir = share_from_node_leader(rank_info, world, make_pool_dir(server_args, rank_info))
         transport = transport_for(port_args, server_args.cluster_secret_file, rank_info.name)
         ready_sock = transport.connect(zmq.PUSH, port_args.ready_ipc)
         ready_sock.setsockopt(zmq.LINGER, 5000)  # the report must leave before close()
         from transformers import AutoTokenizer
 
         model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
-        from srt.grammar_pool.node_pool import start_node_pool
-
         # Started before the model loads, so its workers warm up meanwhile.
-        grammar_pool = start_node_pool(server_args, rank_info, port_args.ready_ipc,
+        grammar_pool = start_node_pool(server_args, rank_info, pool_dir,
                                        model_config.vocab_size, tuple(model_config.eos_token_ids))
         tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
         batch_log = BatchLog.from_env(rank_info)

@@ -63,3 +63,17 @@ def defer_stop_signals(grace_s: float, name: str) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
+
+
+def lowest_cpu_priority() -> str:
+    """Put the calling thread (Linux applies both per thread; a new process's first thread
+    is the process) where it runs only on otherwise idle cores: SCHED_IDLE, else nice 19."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return "SCHED_IDLE"
+    except (AttributeError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 19)
+        except (AttributeError, OSError):
+            return "unchanged"
+        return "nice 19"

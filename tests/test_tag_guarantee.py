@@ -174,3 +174,32 @@ def test_tool_arguments_compile_with_gaps_reported_and_numbers_bounded(auto, lib
         assert _is_grammar_accept_string(compiled, head + '9223372036854775807, "x": 1.5}}\n</tool_call>')
         assert not _is_grammar_accept_string(compiled, head + '92233720368547758070, "x": 1.5}}\n</tool_call>')
         assert not _is_grammar_accept_string(compiled, head + '1, "x": 1' + "0" * 20 + '}}\n</tool_call>')
+
+
+def test_stream_holds_calls_of_inexact_tools_until_complete_and_valid():
+    """An approximate tool's call is streamed whole once complete, and only if it validates;
+    an exact tool's arguments stream as generated (srt/function_call/serving.py)."""
+    from constrained.schema_validation import SchemaValidators
+    from srt.function_call.serving import ToolCalling
+
+    tools = [{"type": "function", "function": {"name": "get_word", "parameters": KEYWORD_SCHEMAS["not"]}},
+             {"type": "function", "function": {"name": "plain", "parameters": {
+                 "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
+    req = resolve(tools, "required", None)
+    args = type("Args", (), {"grammar_backend": "auto", "constrained_json_disable_any_whitespace": False,
+                             "constrained_json_whitespace_pattern": None, "constrained_json_max_whitespace": 16,
+                             "constrained_json_unbounded_numbers": False})()
+    calling = ToolCalling.prepare(type("Body", (), {"tools": tools, "tool_choice": "required",
+                                                    "parallel_tool_calls": None})(), [], None, args)[0]
+    assert calling.held == {"get_word"} and calling.req == req
+    validators = SchemaValidators()
+    stream = calling.stream(lambda schema, doc: validators.validate(schema, doc) is None)
+    plain = '<tool_call>\n{"name": "plain", "arguments": {"a": 1'
+    first = stream.deltas(plain)
+    assert first and first[0]["tool_calls"][0]["function"]["name"] == "plain"  # streams at once
+    bad = '}}\n</tool_call>\n<tool_call>\n{"name": "get_word", "arguments": {"word": "lower"'
+    assert all("get_word" not in json.dumps(d) for d in stream.deltas(bad))  # held
+    out = stream.deltas('}}\n</tool_call>\n<tool_call>\n{"name": "get_word", "arguments": {"word": "Upper"}}\n</tool_call>')
+    calls = [d["tool_calls"][0] for d in out if "tool_calls" in d]
+    assert [c["function"]["arguments"] for c in calls] == ['{"word": "Upper"}']  # the valid one, whole
+    assert any('"word": "lower"' in d.get("content", "") for d in out)  # the invalid one: content

@@ -48,7 +48,7 @@ async def read_json(request: Request) -> Any:
     body = await read_body_limited(request, request.app.state.http_guard.max_request_bytes)
     request.state.body_bytes = len(body)  # handlers move large requests' work off the loop
     if len(body) > OFFLOOP_BODY_BYTES:
-        return await asyncio.to_thread(parse_json_body, body)
+        return await request.app.state.tokenizer_manager.offload(parse_json_body, body)
     return parse_json_body(body)
 
 
@@ -157,7 +157,7 @@ class OpenAIServing:
         try:
             data = await read_json(request)
             if request.state.body_bytes > OFFLOOP_BODY_BYTES:  # a 10 MB tools list: ~100 ms
-                body = await asyncio.to_thread(model_cls.model_validate, data)
+                body = await self.tm.offload(model_cls.model_validate, data)
             else:
                 body = model_cls.model_validate(data)
         except ValidationError as e:
@@ -185,7 +185,7 @@ class OpenAIServing:
             return err
         try:
             if request.state.body_bytes > OFFLOOP_CHARS:  # tools, templating, tokenizing: off the loop
-                obj, tools = await asyncio.to_thread(self._prepare_chat, body)
+                obj, tools = await self.tm.offload(self._prepare_chat, body)
             else:
                 obj, tools = self._prepare_chat(body)
             req = await self.tm.prepare_request_async(obj)
@@ -215,9 +215,9 @@ class OpenAIServing:
         reaches the template counts toward the pre-tokenize length check (messages, the
         history's calls, the tools list)."""
         messages = [m.for_template() for m in body.messages]
-        tools, messages, tool_kwargs = ToolCalling.prepare(body, messages, self.tm.tokenizer, self.tm.server_args)
-        check_fits_context(ToolCalling.prompt_chars(messages, tool_kwargs), self.tm.context_len,
-                           self.tm.max_token_chars)
+        tools, messages, tool_kwargs = ToolCalling.prepare(
+            body, messages, self.tm.tokenizer, self.tm.server_args,
+            lambda chars: check_fits_context(chars, self.tm.context_len, self.tm.max_token_chars))
         ids = apply_chat_template(self.tm.tokenizer, messages, **(body.chat_template_kwargs or {}), **tool_kwargs)
         obj = body.generate_input(uuid.uuid4().hex, input_ids=ids)
         tools.constrain(obj.sampling_params)  # the tool-call grammar (srt/function_call)
@@ -247,7 +247,15 @@ class OpenAIServing:
     async def _chat_events(self, req, chunk, created: int, model: str, include_usage: bool, tools,
                            want_logprobs: bool):
         n = req.sampling_params.n
-        streams = [ChoiceStream(tools.stream()) for _ in range(n)]  # one parser per choice
+        validators = self.tm.documents.validators
+
+        def valid(schema: str, arguments: str) -> bool:
+            try:
+                return validators.validate(schema, arguments) is None
+            except ValueError:  # a schema the validator cannot build: never "valid"
+                return False
+
+        streams = [ChoiceStream(tools.stream(valid)) for _ in range(n)]  # one parser per choice
         finals: dict[int, dict] = {}
         async for i, out in choice_outputs(self.tm, req):
             if isinstance(out, str):  # aborted: the error event ends the stream

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from constrained.schema_coverage import needs_format_check
 from constrained.strict_check import check_strict
-from constrained.tag_plan import StrictPartError
+from constrained.tag_parts import tag_parts
+from constrained.tag_plan import StrictPartError, plan_tag
 from sampling.sampling_params import CONSTRAINT_FIELDS
 from srt.managers.document_check import json_options
 from srt.function_call.formats import ToolCallFormat, get_format
@@ -23,22 +25,32 @@ class ToolCalling:
     req: ToolRequest
     fmt: ToolCallFormat
     constraint: Optional[dict]
+    # Tools whose calls a stream holds back until they are complete and validated: the
+    # grammar serving them is approximate (or checks a format's syntax only), so a call
+    # could break its schema; exact tools' arguments stream as they are generated.
+    held: frozenset = frozenset()
 
     @classmethod
-    def prepare(cls, body, messages: list[dict], tokenizer, server_args) -> tuple["ToolCalling", list[dict], dict]:
-        """(this request's tool calling, messages for the template, template kwargs)."""
+    def prepare(cls, body, messages: list[dict], tokenizer, server_args,
+                check_size: Optional[Callable[[int], None]] = None) -> tuple["ToolCalling", list[dict], dict]:
+        """(this request's tool calling, messages for the template, template kwargs).
+        ``check_size(prompt_chars(...))`` runs before the grammar is built, so a prompt that
+        cannot fit costs no schema analysis."""
         fmt = get_format(getattr(server_args, "tool_call_parser", None))
         req = resolve(body.tools, body.tool_choice, body.parallel_tool_calls)
         msgs, kwargs = prepare_messages(messages, req, fmt, template_supports_tools(tokenizer))
+        if check_size is not None:
+            check_size(cls.prompt_chars(msgs, kwargs))
         max_ws = getattr(server_args, "constrained_json_max_whitespace", 0) or None
-        tools = cls(req, fmt, tool_call_structural_tag(req, fmt, max_ws))
+        constraint = tool_call_structural_tag(req, fmt, max_ws)
+        tools = cls(req, fmt, constraint, _inexact_tools(constraint, server_args))
         tools.check_strict(server_args)
         return tools, msgs, kwargs
 
     def check_strict(self, server_args) -> None:
         """A tool with ``function.strict: true`` that no grammar serves exactly is a 400 naming
         the tool, the keyword and its path, before any byte is sent (tag_plan.py)."""
-        if self.constraint is None or not any(t.strict for t in self.req.tools):
+        if self.constraint is None or server_args is None or not any(t.strict for t in self.req.tools):
             return
         try:
             check_strict(None, json.dumps(self.constraint), server_args.grammar_backend,
@@ -93,27 +105,74 @@ class ToolCalling:
                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
         return fields, _finish_reason(reason, bool(calls))
 
-    def stream(self) -> "ToolCallStream":
-        return ToolCallStream(ToolCallParser(self.fmt) if self.req.active else None)
+    def stream(self, validate: Optional[Callable[[str, str], bool]] = None) -> "ToolCallStream":
+        """``validate(schema_text, arguments)``: does a completed call satisfy its schema?"""
+        if not self.req.active:
+            return ToolCallStream(None)
+        schemas = {t.name: json.dumps(t.parameters) for t in self.req.tools if t.name in self.held and validate}
+        return ToolCallStream(ToolCallParser(self.fmt), schemas, validate)
 
 
 class ToolCallStream:
-    """Text deltas -> DeltaMessage fields (content and OpenAI's tool-call deltas)."""
+    """Text deltas -> DeltaMessage fields (content and OpenAI's tool-call deltas). A call of
+    a held tool is sent whole once it is complete and valid; an invalid one is never sent as
+    a call (its text goes to content; the last chunk says ``schema_violation``)."""
 
-    def __init__(self, parser: Optional[ToolCallParser]) -> None:
+    def __init__(self, parser: Optional[ToolCallParser], held: Optional[dict] = None,
+                 validate: Optional[Callable[[str, str], bool]] = None) -> None:
         self.parser = parser
+        self.held, self.validate = held or {}, validate
+        self.pending: dict[int, str] = {}  # held calls not yet released: index -> arguments
 
     def deltas(self, text: str) -> list[dict[str, Any]]:
         if self.parser is None:
             return [{"content": text}] if text else []
-        return _messages(self.parser.feed(text))
+        return self._hold(self.parser.feed(text))
 
     def finish(self, reason: Optional[str]) -> tuple[list[dict[str, Any]], Optional[str]]:
         """(the last deltas, the finish_reason to send)."""
         if self.parser is None:
             return [], reason
-        out = _messages(self.parser.finish())
+        out = self._hold(self.parser.finish())
+        for index in sorted(self.pending):  # cut short: its text is content, as unstreamed
+            out.append({"content": self.parser.calls[index].raw})
+        self.pending.clear()
         return out, _finish_reason(reason, bool(self.parser.complete_calls))
+
+    def _hold(self, delta: Delta) -> list[dict[str, Any]]:
+        passed = Delta(delta.content)
+        for index, call_id, name, args in delta.calls:
+            if self.parser.calls[index].name in self.held:
+                self.pending[index] = self.pending.get(index, "") + args
+            else:
+                passed.calls.append((index, call_id, name, args))
+        out = _messages(passed)
+        for index in sorted(self.pending):
+            call = self.parser.calls[index]
+            if not call.complete:
+                continue
+            del self.pending[index]
+            if self.validate(self.held[call.name], call.arguments):
+                out.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                            "function": {"name": call.name, "arguments": call.arguments}}]})
+            else:
+                out.append({"content": call.raw})
+        return out
+
+
+def _inexact_tools(constraint: Optional[dict], server_args) -> frozenset:
+    """Names of the tools whose calls may break their schema under this server's backend."""
+    if constraint is None or server_args is None:
+        return frozenset()
+    parts = tag_parts(constraint)
+    if server_args.grammar_backend not in ("xgrammar", "llguidance", "auto"):
+        return frozenset(p.name for p in parts)  # a plugin's grammars count as approximate
+    try:
+        plan = plan_tag(parts, server_args.grammar_backend, json_options(server_args))
+    except ValueError:  # refused: the rank will say why (a strict one was checked already)
+        return frozenset(p.name for p in parts)
+    inexact = {g.rsplit(" in ", 1)[1] for g in plan.gaps}
+    return frozenset(p.name for p in parts if p.name in inexact or needs_format_check(json.dumps(p.schema)))
 
 
 def _finish_reason(reason: Optional[str], called: bool) -> Optional[str]:

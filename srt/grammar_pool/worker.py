@@ -13,22 +13,9 @@ import time
 from multiprocessing.connection import Connection
 
 from srt.grammar_pool.messages import RESULT_CODEC, TASK_CODEC, CompileResult, CompileTask, WorkerReady
+from srt.process_utils import lowest_cpu_priority  # noqa: F401 (used here and re-exported)
 
 logger = logging.getLogger(__name__)
-
-
-def lowest_cpu_priority() -> str:
-    """Put the calling thread (Linux applies both per thread; a new process's first thread
-    is the process) where it runs only on otherwise idle cores: SCHED_IDLE, else nice 19."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        return "SCHED_IDLE"
-    except (AttributeError, OSError):
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, 19)
-        except (AttributeError, OSError):
-            return "unchanged"
-        return "nice 19"
 
 
 def build_backend(config):

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
@@ -29,6 +30,7 @@ from srt.managers.io_struct import (
 )
 from srt.managers.wire import DropCounter, recv_message_async
 from srt.managers.zmq_transport import transport_for
+from srt.process_utils import lowest_cpu_priority
 from srt.metrics.frontend import create_frontend_metrics
 from srt.metrics.messages import SchedulerMetrics
 from srt.tokenizer_utils import max_chars_per_token
@@ -95,6 +97,10 @@ class TokenizerManager:
         # documents validated here: off the schedulers' step loop (document_check.py).
         self.documents = DocumentChecker(
             server_args, THINK_END_TOKENS.get(getattr(server_args, "reasoning_parser", None) or ""))
+        # Large requests' parsing, templating, tokenizing and schema work: threads at the
+        # lowest CPU priority, so the cores go to the step loop and small requests first.
+        self.large_work = ThreadPoolExecutor(2, thread_name_prefix="large-request",
+                                             initializer=lowest_cpu_priority)
         # Set by the launcher so /health can report dead scheduler processes.
         self.scheduler_alive: Callable[[], bool] = lambda: True
 
@@ -130,8 +136,12 @@ class TokenizerManager:
         size = len(obj.text or "") + (len(schema) if isinstance(schema, str) else 0 if schema is None
                                       else OFFLOOP_CHARS + 1)  # an object: size unknown until dumped
         if size > OFFLOOP_CHARS:
-            return await asyncio.to_thread(self.prepare_request, obj)
+            return await self.offload(self.prepare_request, obj)
         return self.prepare_request(obj)
+
+    async def offload(self, fn: Callable, *args):
+        """``fn(*args)`` on a large-request thread (lowest CPU priority)."""
+        return await asyncio.get_running_loop().run_in_executor(self.large_work, fn, *args)
 
     # ---- request lifecycle --------------------------------------------------------
     async def generate_request(
@@ -358,6 +368,7 @@ class TokenizerManager:
         return self._handle_task
 
     def close(self) -> None:
+        self.large_work.shutdown(wait=False, cancel_futures=True)
         if self._handle_task is not None:
             self._handle_task.cancel()
         self.transport.close()

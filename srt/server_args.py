@@ -75,7 +75,7 @@ class ServerArgs:
     load_balance_method: str = _f("round_robin", "How the frontend picks a DP group for a request: round_robin, shortest_queue (fewest requests in flight), or prefix_aware (the group whose radix cache most likely holds the prompt's prefix, within a load slack; else the shortest queue).", ["round_robin", "shortest_queue", "prefix_aware"])
     nnodes: int = _f(1, "Number of nodes (without torchrun: start launch.py on each with --node-rank).")
     node_rank: int = _f(0, "This node's rank (node 0 runs the HTTP frontend).")
-    dist_init_addr: Optional[str] = _f(None, "host:port of node 0 for torch.distributed init (default on one node: a free local port; required with --nnodes > 1).")
+    dist_init_addr: Optional[str] = _f(None, "host:port of node 0 for torch.distributed init (required with --nnodes > 1; one node needs none: its ranks meet through a file store in the private run directory).")
     dist_timeout: float = _f(600.0, "Seconds the ranks wait for each other: the rendezvous at start-up and every collective after it (a lost peer fails the rank after this).")
     watchdog_timeout: float = _f(300.0, "Seconds a scheduler iteration may take before its rank exits and the server goes down with it (0: off).")
     # Logging and metrics

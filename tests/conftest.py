@@ -55,8 +55,8 @@ def fp32_engine(smollm2_dir):
 def _launch_server(tmp_path_factory, model_dir: str, extra_args: list[str], env: dict | None = None):
     """Yield the base URL of a real server (`python launch.py`, embedded SmolLM2 on CPU);
     ``env`` adds environment variables for the server's processes. The free port is
-    picked before the server binds it, so another process can take it in between (the
-    server's own torch.distributed store, at TP > 1): then it starts again on a new port."""
+    picked before the server binds it, so another process can take it in between: then
+    it starts again on a new port."""
     for _ in range(3):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

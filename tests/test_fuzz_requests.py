@@ -771,8 +771,10 @@ class FuzzGen:
                 for depth in (20000, 127):
                     self.add(_json_case("deep", f"{where} depth {depth}", path,
                                         _with_sampling(path, {where: _deep(depth)})))
-            self.add(_json_case("deep", "json_schema as a deep string", path,
-                                _with_sampling(path, {"json_schema": "[" * 20000 + "]" * 20000})))
+            for where in ("json_schema", "structural_tag"):  # JSON given as text: depth-checked too
+                for text in ("[" * 20000 + "]" * 20000, "[" * 5000, '{"a":' * 5000):
+                    self.add(_json_case("deep", f"{where} as a deep string {text[:2]!r}", path,
+                                        _with_sampling(path, {where: text})))
             self.add(_json_case("deep", "unknown field deep", path, {**_base(path), "zz": _deep(20000)}))
             self.add(_json_case("deep", "unknown field deep objects", path, {**_base(path), "zz": _deep_obj(20000)}))
         self.add(_json_case("deep", "sampling_params deep", "/generate", {"text": "Hi", "sampling_params": _deep_obj(20000)}))
@@ -782,6 +784,17 @@ class FuzzGen:
         self.add(_json_case("deep", "messages deep", "/v1/chat/completions",
                             {**_base("/v1/chat/completions"), "messages": _deep(20000)}))
         self.add(_json_case("deep", "prompt deep", "/v1/completions", {**_base("/v1/completions"), "prompt": _deep(20000)}))
+        chat = "/v1/chat/completions"
+        for text in ("[" * 5000, "[" * 2000 + "]" * 2000, '{"a":' * 3000 + "1" + "}" * 3000):
+            call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": text}}
+            history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+            self.add(_json_case("deep", f"tool_calls arguments deep string {text[:2]!r}", chat,
+                                {**_base(chat), "messages": history, "tools": [GOOD_TOOL]}))
+            self.add(_json_case("deep", f"custom_logit_processor deep string {text[:2]!r}", "/generate",
+                                {**_base("/generate"), "custom_logit_processor": text}))
+            self.add(_json_case("deep", f"structured_outputs json deep string {text[:2]!r}", chat,
+                                {**_base(chat), "structured_outputs": {"json": text}}))
 
     def edges(self) -> None:
         """Boundary values of every sampling parameter, and n / max tokens."""

@@ -56,6 +56,7 @@ def schedulers(smollm2_dir, smollm2_tokenizer):
     return compiled, eager
 
 
+@pytest.mark.timeout(600)  # the compile alone takes ~4 min on a 2-vCPU AVX2 machine (fp32)
 def test_serves_eagerly_while_compiling_then_switches(schedulers, smollm2_tokenizer):
     """Requests are answered while the step compiles; after the switch, same tokens."""
     compiled, eager = schedulers

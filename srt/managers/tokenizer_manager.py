@@ -174,6 +174,8 @@ class TokenizerManager:
                     chunks.append(state.queue.get_nowait())
                 for chunk in chunks:
                     self._apply(state, *chunk)
+                if state.grammar is not None and state.finish_reason is not None:
+                    await self._check_document(state)
                 if state.finish_reason is not None or req.stream:
                     yield self._make_output(state)
                 if state.finish_reason is not None:
@@ -273,17 +275,20 @@ class TokenizerManager:
             if _is_int(m) and new_ids and new_ids[-1] == m:
                 text_ids = new_ids[:-1]
         state.decode.add_tokens(text_ids, flush=reason is not None)
-        if grammar_report is not None:
+        if grammar_report is not None:  # comes with the final output: generate_request checks it
             state.grammar = grammar_report
-            self._check_document(state)
 
-    def _check_document(self, state: _ReqState) -> None:
-        """The finished output's JSON documents against their full schemas (document_check.py)."""
+    async def _check_document(self, state: _ReqState) -> None:
+        """The finished output's JSON documents against their full schemas (document_check.py);
+        a long output is validated on a large-request thread, off the event loop."""
         reason = state.finish_reason
         matched = reason.matched if isinstance(reason.matched, str) else None
         params = state.req.sampling_params
-        violation, _ = self.documents.check_finished(
-            params, state.grammar, reason, state.decode.visible_text(True, matched), state.req.require_reasoning)
+        args = (params, state.grammar, reason, state.decode.visible_text(True, matched), state.req.require_reasoning)
+        if len(args[3]) > OFFLOOP_CHARS:
+            violation, _ = await self.offload(self.documents.check_finished, *args)
+        else:
+            violation, _ = self.documents.check_finished(*args)
         state.violation = violation
         if self.metrics is not None and (params.json_schema or params.structural_tag) is not None:
             self.metrics.on_validated(state.grammar.backend, not state.grammar.exact, violation is not None)

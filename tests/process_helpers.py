@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 
 def stop_process_group(proc: subprocess.Popen, term_wait: float = 15, kill_wait: float = 5) -> None:
@@ -19,3 +20,14 @@ def stop_process_group(proc: subprocess.Popen, term_wait: float = 15, kill_wait:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.05):
+    """``predicate()``'s first truthy value, polled until ``timeout`` seconds (then fail)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
 
 import psutil
 import pytest
+from process_helpers import wait_for
 
 from constrained.base_grammar_backend import InvalidGrammarObject
 from constrained.grammar_config import GrammarBackendConfig, JsonOptions
@@ -85,16 +85,6 @@ def workers(service) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return found
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def idle_workers(service) -> None:

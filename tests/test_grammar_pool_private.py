@@ -12,11 +12,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import jsonschema
 import psutil
 import pytest
+from process_helpers import wait_for
 
 from constrained.base_grammar_backend import InvalidGrammarObject
 from distributed.parallel_state import RankInfo
@@ -48,16 +48,6 @@ def _dir(made: list[str], mode: int = 0o700) -> str:
     made.append(d)
     os.chmod(d, mode)
     return d
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # ---- (1) the check ----------------------------------------------------------------------
@@ -216,14 +206,14 @@ def test_pool_planted_at_the_old_path_gets_nothing(tmp_path, dirs, smollm2_dir, 
     attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, old_dir, str(count)], cwd=ROOT,
                                 start_new_session=True)
     try:
-        _wait_for(count.exists, 60, "the planted socket")
+        wait_for(count.exists, 60, "the planted socket")
         monkeypatch.setattr(engine_mod, "new_port_args", lambda *a: port_args)
         monkeypatch.setenv("GRAMSYNC_GRAMMAR_COMPILE_WORKERS", "1")
         with Engine(model_path=smollm2_dir, grammar_backend="xgrammar", max_total_tokens=2048,
                     max_running_requests=4, log_level="warning", random_seed=0) as eng:
             out = eng.generate("Give me a person as JSON:", {
                 "json_schema": json.dumps(PERSON), "max_new_tokens": 48, "temperature": 0})
-            service = _wait_for(lambda: _pool_service(psutil.Process()), 30, "the pool service")
+            service = wait_for(lambda: _pool_service(psutil.Process()), 30, "the pool service")
             bound = _unix_paths(service)
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
         jsonschema.validate(json.loads(out["text"]), PERSON)
@@ -232,7 +222,7 @@ def test_pool_planted_at_the_old_path_gets_nothing(tmp_path, dirs, smollm2_dir, 
         assert bound, "the pool service had no bound socket"
         pool_dir = os.path.dirname(bound[0])
         assert os.path.basename(pool_dir).startswith("gramsync-grammar-") and pool_dir != old_dir
-        _wait_for(lambda: not os.path.exists(pool_dir), 30, "the pool to remove its directory")
+        wait_for(lambda: not os.path.exists(pool_dir), 30, "the pool to remove its directory")
         assert attacker.poll() is None  # it was there all along
     finally:
         attacker.kill()
@@ -316,7 +306,7 @@ def test_tp2_server_ranks_share_one_private_pool_and_no_store_port(tp2_server):
     pools = [p for p in tree if "grammar_pool_node0" in " ".join(p.cmdline())]
     assert len(pools) == 1, [" ".join(p.cmdline()) for p in tree]
     # The listener and one accepted connection per rank carry the socket's path.
-    _wait_for(lambda: len(_unix_paths(pools[0])) == 3, 60, "both ranks to connect to the pool")
+    wait_for(lambda: len(_unix_paths(pools[0])) == 3, 60, "both ranks to connect to the pool")
     pool_dir = os.path.dirname(_unix_paths(pools[0])[0])
     assert os.path.basename(pool_dir).startswith("gramsync-grammar-") and pool_dir_problem(pool_dir) is None
     wildcard = [(p.pid, c.laddr) for p in tree for c in p.net_connections("tcp")

@@ -14,6 +14,13 @@ class JsonOptions:
     max_whitespace: int = 16  # whitespace characters allowed between tokens (0: unbounded)
     unbounded_numbers: bool = False  # True: no default digit bounds (json_number_bounds.py)
 
+    @classmethod
+    def from_server_args(cls, server_args) -> "JsonOptions":
+        return cls(server_args.constrained_json_disable_any_whitespace,
+                   server_args.constrained_json_whitespace_pattern,
+                   server_args.constrained_json_max_whitespace,
+                   server_args.constrained_json_unbounded_numbers)
+
 
 # A json_schema spec may carry per-request whitespace options (vLLM's
 # ``disable_any_whitespace`` / ``whitespace_pattern``) in this root keyword: being part of
@@ -78,9 +85,6 @@ class GrammarBackendConfig:
                          eos_token_ids: tuple[int, ...]) -> "GrammarBackendConfig":
         return cls(
             vocab_size=vocab_size, eos_token_ids=tuple(eos_token_ids),
-            json=JsonOptions(server_args.constrained_json_disable_any_whitespace,
-                             server_args.constrained_json_whitespace_pattern,
-                             server_args.constrained_json_max_whitespace,
-                             server_args.constrained_json_unbounded_numbers),
+            json=JsonOptions.from_server_args(server_args),
             num_threads=server_args.grammar_compile_threads,
             cache_size=server_args.grammar_cache_size)

@@ -8,11 +8,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from constrained.schema_coverage import needs_format_check
-from constrained.strict_check import check_strict
+from constrained.grammar_config import JsonOptions
 from constrained.tag_parts import tag_parts
 from constrained.tag_plan import StrictPartError, plan_tag
 from sampling.sampling_params import CONSTRAINT_FIELDS
-from srt.managers.document_check import json_options
 from srt.function_call.formats import ToolCallFormat, get_format
 from srt.function_call.grammar import tool_call_structural_tag
 from srt.function_call.parser import Delta, ToolCallParser
@@ -43,22 +42,7 @@ class ToolCalling:
             check_size(cls.prompt_chars(msgs, kwargs))
         max_ws = getattr(server_args, "constrained_json_max_whitespace", 0) or None
         constraint = tool_call_structural_tag(req, fmt, max_ws)
-        tools = cls(req, fmt, constraint, _inexact_tools(constraint, server_args))
-        tools.check_strict(server_args)
-        return tools, msgs, kwargs
-
-    def check_strict(self, server_args) -> None:
-        """A tool with ``function.strict: true`` that no grammar serves exactly is a 400 naming
-        the tool, the keyword and its path, before any byte is sent (tag_plan.py)."""
-        if self.constraint is None or server_args is None or not any(t.strict for t in self.req.tools):
-            return
-        try:
-            check_strict(None, json.dumps(self.constraint), server_args.grammar_backend,
-                         json_options(server_args))
-        except StrictPartError as e:
-            index = [t["function"]["name"] for t in self.req.shown].index(e.part.name)
-            reason = str(e).split(": ", 1)[1]
-            raise ToolCallError(f"tools[{index}] ({e.part.name}): function.{reason}", "tools") from None
+        return cls(req, fmt, constraint, _held_tools(req, constraint, server_args)), msgs, kwargs
 
     @staticmethod
     def prompt_chars(messages: list[dict], template_kwargs: dict) -> int:
@@ -109,8 +93,8 @@ class ToolCalling:
         """``validate(schema_text, arguments)``: does a completed call satisfy its schema?"""
         if not self.req.active:
             return ToolCallStream(None)
-        schemas = {t.name: json.dumps(t.parameters) for t in self.req.tools if t.name in self.held and validate}
-        return ToolCallStream(ToolCallParser(self.fmt), schemas, validate)
+        held = {t.name: json.dumps(t.parameters) for t in self.req.tools if t.name in self.held} if validate else {}
+        return ToolCallStream(ToolCallParser(self.fmt), held, validate)
 
 
 class ToolCallStream:
@@ -122,7 +106,7 @@ class ToolCallStream:
                  validate: Optional[Callable[[str, str], bool]] = None) -> None:
         self.parser = parser
         self.held, self.validate = held or {}, validate
-        self.pending: dict[int, str] = {}  # held calls not yet released: index -> arguments
+        self.pending: set[int] = set()  # indices of held calls not yet released
 
     def deltas(self, text: str) -> list[dict[str, Any]]:
         if self.parser is None:
@@ -143,7 +127,7 @@ class ToolCallStream:
         passed = Delta(delta.content)
         for index, call_id, name, args in delta.calls:
             if self.parser.calls[index].name in self.held:
-                self.pending[index] = self.pending.get(index, "") + args
+                self.pending.add(index)
             else:
                 passed.calls.append((index, call_id, name, args))
         out = _messages(passed)
@@ -151,7 +135,7 @@ class ToolCallStream:
             call = self.parser.calls[index]
             if not call.complete:
                 continue
-            del self.pending[index]
+            self.pending.discard(index)
             if self.validate(self.held[call.name], call.arguments):
                 out.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
                                             "function": {"name": call.name, "arguments": call.arguments}}]})
@@ -160,16 +144,22 @@ class ToolCallStream:
         return out
 
 
-def _inexact_tools(constraint: Optional[dict], server_args) -> frozenset:
-    """Names of the tools whose calls may break their schema under this server's backend."""
+def _held_tools(req: ToolRequest, constraint: Optional[dict], server_args) -> frozenset:
+    """The tools' plan (tag_plan.py), made once per request: a ``function.strict`` tool no
+    grammar serves exactly is a 400 naming the tool, the keyword and its path, before any
+    byte is sent; the names returned are the tools whose calls may break their schema."""
     if constraint is None or server_args is None:
         return frozenset()
     parts = tag_parts(constraint)
     if server_args.grammar_backend not in ("xgrammar", "llguidance", "auto"):
         return frozenset(p.name for p in parts)  # a plugin's grammars count as approximate
     try:
-        plan = plan_tag(parts, server_args.grammar_backend, json_options(server_args))
-    except ValueError:  # refused: the rank will say why (a strict one was checked already)
+        plan = plan_tag(parts, server_args.grammar_backend, JsonOptions.from_server_args(server_args))
+    except StrictPartError as e:
+        index = [t["function"]["name"] for t in req.shown].index(e.part.name)
+        reason = str(e).split(": ", 1)[1]
+        raise ToolCallError(f"tools[{index}] ({e.part.name}): function.{reason}", "tools") from None
+    except ValueError:  # llguidance refuses a schema outright: the rank says why
         return frozenset(p.name for p in parts)
     inexact = {g.rsplit(" in ", 1)[1] for g in plan.gaps}
     return frozenset(p.name for p in parts if p.name in inexact or needs_format_check(json.dumps(p.schema)))

@@ -11,6 +11,8 @@ import stat
 import tempfile
 from typing import Optional
 
+from srt.security.private_dir import private_dir_problem
+
 SOCKET_NAME = "pool"
 
 
@@ -23,21 +25,8 @@ def pool_socket_address(directory: str) -> str:
 
 
 def pool_dir_problem(directory: str) -> Optional[str]:
-    """None if ``directory`` is private to us: a real directory (not a symlink), owned by
-    this uid, mode exactly 0700. Otherwise what is wrong, naming the path."""
-    try:
-        st = os.lstat(directory)  # lstat: a symlink is judged itself, never its target
-    except OSError as e:
-        return f"grammar pool directory {directory} cannot be read ({e.strerror})"
-    if stat.S_ISLNK(st.st_mode):
-        return f"grammar pool directory {directory} is a symlink"
-    if not stat.S_ISDIR(st.st_mode):
-        return f"grammar pool directory {directory} is not a directory"
-    if st.st_uid != os.getuid():
-        return f"grammar pool directory {directory} is owned by uid {st.st_uid}, not {os.getuid()}"
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        return f"grammar pool directory {directory} has mode {stat.S_IMODE(st.st_mode):o}, not 700"
-    return None
+    """None if ``directory`` is private to us (srt/security/private_dir.py), else why not."""
+    return private_dir_problem(directory, "grammar pool directory")
 
 
 def pool_endpoint_problem(address: str) -> Optional[str]:

@@ -24,18 +24,10 @@ from constrained.strict_check import check_strict
 from constrained.tag_parts import find_documents, tag_parts
 
 
-def json_options(server_args) -> JsonOptions:
-    """The JSON options the ranks' grammar backends are built with (GrammarBackendConfig)."""
-    return JsonOptions(server_args.constrained_json_disable_any_whitespace,
-                       server_args.constrained_json_whitespace_pattern,
-                       server_args.constrained_json_max_whitespace,
-                       server_args.constrained_json_unbounded_numbers)
-
-
 class DocumentChecker:
     def __init__(self, server_args, think_end: Optional[str]) -> None:
         self.backend = server_args.grammar_backend
-        self.json_options = json_options(server_args)
+        self.json_options = JsonOptions.from_server_args(server_args)  # as the ranks' backends
         self.validators = SchemaValidators()
         self.think_end = think_end
 

@@ -15,7 +15,6 @@ import ipaddress
 import logging
 import os
 import socket
-import stat
 import threading
 from typing import Optional
 
@@ -24,6 +23,7 @@ import zmq.asyncio
 
 from srt.managers.wire import MAX_MESSAGE_BYTES
 from srt.security.cluster_secret import CurveKeys, require_secret
+from srt.security.private_dir import private_dir_problem
 
 logger = logging.getLogger(__name__)
 _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -32,11 +32,9 @@ _REFUSED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FA
 
 def check_private_dir(path: str) -> None:
     """Refuse IPC endpoints in a directory other local users can reach."""
-    st = os.stat(path)
-    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise PermissionError(
-            f"IPC directory {path} must be owned by this user with mode 0700 "
-            f"(it is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o})")
+    problem = private_dir_problem(path, "IPC directory")
+    if problem is not None:
+        raise PermissionError(problem)
 
 
 def _is_every_interface(host: str) -> bool:

@@ -2,8 +2,12 @@
 ``--constrained-json-unbounded-numbers``), as whitespace already is: a small model otherwise
 writes ``"population": 1111111...`` until ``max_new_tokens``.
 
-* Integers: the bounds a schema leaves open are filled in with the int64 range, as
-  ``minimum``/``maximum``: both libraries turn these into an exact range grammar. llguidance
+* Integers: the bounds a schema leaves open are filled in with the int64 range. A schema
+  bound on one side gets the other as ``minimum``/``maximum`` (both libraries turn these
+  into an exact range grammar). An integer with no bound at all keeps none under xgrammar:
+  its shared ``basic_integer`` rule is replaced by one exact int64 rule, since xgrammar
+  writes a range grammar of ~100 rules for every bounded integer (2,000 integer properties
+  took 100 s to compile that way, 1 s this way). llguidance
   reads bounds as doubles and negates the lower one while building its regex, so -2**63
   fails there; its lowest bound is the next double up, -(2**63 - 1024).
 * Numbers: at most 15 integer digits (|x| < 1e15: every such integer part is exact in a
@@ -43,13 +47,14 @@ class NumberBounds:
     int_min: int
     int_max: int
     bound_free_numbers: bool  # also numbers without any bound (False: the grammar does it)
+    bound_free_integers: bool  # also integers without any bound (False: the grammar does it)
     fraction_step: Optional[float]  # multipleOf added to numbers that have none
     keep_multiple_of: bool  # leave integers with multipleOf alone (xgrammar drops it in big ranges)
 
 
-XGRAMMAR_BOUNDS = NumberBounds(INT64_MIN, INT64_MAX, bound_free_numbers=False,
+XGRAMMAR_BOUNDS = NumberBounds(INT64_MIN, INT64_MAX, bound_free_numbers=False, bound_free_integers=False,
                                fraction_step=None, keep_multiple_of=True)
-LLGUIDANCE_BOUNDS = NumberBounds(LLGUIDANCE_INT_MIN, INT64_MAX, bound_free_numbers=True,
+LLGUIDANCE_BOUNDS = NumberBounds(LLGUIDANCE_INT_MIN, INT64_MAX, bound_free_numbers=True, bound_free_integers=True,
                                  fraction_step=10.0**-FRACTION_DIGITS, keep_multiple_of=False)
 
 
@@ -72,7 +77,7 @@ def _bound_node(node: dict, bounds: NumberBounds) -> dict:
     if is_int and bounds.keep_multiple_of and "multipleOf" in node:
         return node
     lo, hi = _bound(node, "minimum", "exclusiveMinimum", max), _bound(node, "maximum", "exclusiveMaximum", min)
-    if not is_int and lo is None and hi is None and not bounds.bound_free_numbers:
+    if lo is None and hi is None and not (bounds.bound_free_integers if is_int else bounds.bound_free_numbers):
         return node
     lo_limit, hi_limit = (bounds.int_min, bounds.int_max) if is_int else (-NUMBER_MAX, NUMBER_MAX)
     out = dict(node)
@@ -102,19 +107,45 @@ def bound_numbers(schema: Any, bounds: NumberBounds) -> Any:
     return _bound_node(out, bounds)
 
 
+def _at_most(limit: str) -> list[str]:
+    """EBNF alternatives for the decimals of ``len(limit)`` digits (no leading zero) <= limit."""
+    alts, prefix = [], ""
+    for i, digit in enumerate(limit):
+        low, rest = (1 if i == 0 else 0), len(limit) - i - 1
+        if int(digit) > low:
+            tail = f" [0-9]{{{rest}}}" if rest else ""
+            alts.append(f"{prefix}[{low}-{int(digit) - 1}]{tail}")
+        prefix += f'"{digit}" '
+    return alts + [prefix.strip()]
+
+
+def _int64_rule() -> str:
+    """``basic_integer`` for exactly the int64 range: up to 18 digits freely, 19 up to the
+    limit on each side."""
+    short = f'[1-9] [0-9]{{0,{len(str(INT64_MAX)) - 2}}}'
+    positive = " | ".join(f"({a})" for a in [short, *_at_most(str(INT64_MAX))])
+    negative = " | ".join(f"({a})" for a in [short, *_at_most(str(-INT64_MIN))])
+    return f'basic_integer ::= ("0" | {positive} | "-" ({negative}))'
+
+
 # xgrammar's JSON grammar has one rule for every unbounded number (typed or inside any
-# value): a line ``basic_number ::= ...`` in the EBNF that Grammar.from_json_schema prints.
+# value): a line ``basic_number ::= ...`` in the EBNF that Grammar.from_json_schema prints;
+# ``basic_integer`` is the same for integers with no bound.
 _NUMBER_RULE = re.compile(r"^basic_number ::= .*$", re.M)
+_INTEGER_RULE = re.compile(r"^basic_integer ::= .*$", re.M)
 BOUNDED_NUMBER_RULE = (
     f'basic_number ::= "-"? ("0" | [1-9] [0-9]{{0,{NUMBER_INT_DIGITS - 1}}}) '
     f'("." [0-9]{{1,{FRACTION_DIGITS}}})? ([eE] [+\\-]? [0-9]{{1,{EXPONENT_DIGITS}}})?')
+BOUNDED_INTEGER_RULE = _int64_rule()
 
 
 def bound_number_rule(ebnf: str) -> str:
-    """xgrammar's JSON-schema EBNF with its ``basic_number`` rule bounded."""
+    """xgrammar's JSON-schema EBNF with its ``basic_number`` and ``basic_integer`` rules bounded."""
     bounded, count = _NUMBER_RULE.subn(lambda _: BOUNDED_NUMBER_RULE, ebnf)
-    if count != 1:
-        raise RuntimeError(f"xgrammar's JSON grammar has {count} basic_number rules (expected 1): "
-                           "this xgrammar version cannot bound numbers; start the server with "
+    bounded, int_count = _INTEGER_RULE.subn(lambda _: BOUNDED_INTEGER_RULE, bounded)
+    if count != 1 or int_count > 1:
+        raise RuntimeError(f"xgrammar's JSON grammar has {count} basic_number and {int_count} "
+                           "basic_integer rules (expected 1 and at most 1): this xgrammar version "
+                           "cannot bound numbers; start the server with "
                            "--constrained-json-unbounded-numbers")
     return bounded

@@ -7,6 +7,11 @@ import json
 
 import pytest
 
+import random
+
+import xgrammar as xgr
+from xgrammar.testing import _is_grammar_accept_string
+
 from constrained.bitmask_ops import allocate_token_bitmask, unpack_bitmask
 from constrained.grammar_config import GrammarBackendConfig, JsonOptions
 from constrained.json_number_bounds import (INT64_MAX, INT64_MIN, LLGUIDANCE_BOUNDS, LLGUIDANCE_INT_MIN,
@@ -117,7 +122,7 @@ def test_rewrite_touches_only_open_numeric_schemas():
     }, "default": {"type": "integer"}, "$defs": {"enum": {"type": "number"}}}
     x = bound_numbers(schema, XGRAMMAR_BOUNDS)
     p = x["properties"]
-    assert p["minimum"] == {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX}
+    assert p["minimum"] == {"type": "integer"}  # xgrammar's basic_integer rule bounds it
     assert p["n"] == {"type": "number", "maximum": 3, "minimum": -999999999999999}
     assert p["m"] == schema["properties"]["m"] and p["e"] == schema["properties"]["e"]
     assert p["big"] == schema["properties"]["big"]
@@ -126,10 +131,35 @@ def test_rewrite_touches_only_open_numeric_schemas():
     assert g["properties"]["m"]["minimum"] == LLGUIDANCE_INT_MIN  # llguidance keeps multipleOf in a range
     assert g["$defs"]["enum"] == {"type": "number", "minimum": -999999999999999,
                                   "maximum": 999999999999999, "multipleOf": 1e-10}
-    assert "multipleOf" not in g["properties"]["minimum"]
+    assert g["properties"]["minimum"] == {"type": "integer", "minimum": LLGUIDANCE_INT_MIN, "maximum": INT64_MAX}
+    assert bound_numbers({"type": "integer", "minimum": 5}, XGRAMMAR_BOUNDS)["maximum"] == INT64_MAX
     assert schema["properties"]["minimum"] == {"type": "integer"}  # the input is not mutated
 
 
 def test_a_missing_number_rule_is_a_clear_error():
     with pytest.raises(RuntimeError, match="--constrained-json-unbounded-numbers"):
         bound_number_rule('root ::= "a"\n')
+
+
+def test_xgrammar_integer_rule_is_exactly_int64():
+    """The replacement ``basic_integer`` rule accepts a decimal iff it is an int64 (no
+    leading zeros, no "-0"), checked at the limits and on random 1..20-digit strings."""
+    ebnf = bound_number_rule(str(xgr.Grammar.from_json_schema(json.dumps({"type": "integer"}))))
+    grammar = xgr.Grammar.from_ebnf(ebnf)
+    near = [INT64_MAX + d for d in range(-11, 12)] + [INT64_MIN + d for d in range(-11, 12)]
+    rng = random.Random(7)
+    drawn = [rng.choice([1, -1]) * rng.randrange(10 ** rng.randrange(1, 21)) for _ in range(300)]
+    for value in near + drawn + [0, 9, 10, 10**18 - 1, 10**18, -(10**18)]:
+        assert _is_grammar_accept_string(grammar, str(value)) == (INT64_MIN <= value <= INT64_MAX), value
+    for text in ["-0", "01", "-01", "", "-"]:
+        assert not _is_grammar_accept_string(grammar, text), text
+
+
+def test_many_free_integers_share_one_rule():
+    """2,000 integer properties under xgrammar: one shared int64 rule, not a ~100-rule range
+    grammar per property (that took minutes to compile on a 2-core machine)."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}
+    bounded = bound_numbers(schema, XGRAMMAR_BOUNDS)
+    assert all(p == {"type": "integer"} for p in bounded["properties"].values())
+    ebnf = bound_number_rule(str(xgr.Grammar.from_json_schema(json.dumps(bounded))))
+    assert ebnf.count("basic_integer ::=") == 1 and ebnf.count("\n") < 2 * 2000 + 100

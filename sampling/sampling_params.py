@@ -58,62 +58,17 @@ class SamplingParams:
     def from_dict(cls, d: Optional[Mapping[str, Any]]) -> "SamplingParams":
         """Build from a JSON-like dict; unknown keys and bad types raise ValueError."""
         d = dict(d or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"Unknown sampling parameter(s): {', '.join(unknown)}")
+        # JSON null means "the default" (prepare_request has already read a null
+        # max_new_tokens as "fill the context").
         if d.get("max_new_tokens", 0) is None:
             d.pop("max_new_tokens")
-        stop = d.get("stop")
-        if stop is None:
-            d.pop("stop", None)
-        elif isinstance(stop, str):
-            d["stop"] = (stop,)
-        elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
-            d["stop"] = tuple(stop)
-        else:
-            raise ValueError("stop must be a string or a list of strings")
-        ids = d.get("stop_token_ids")
-        if ids is None:
-            d.pop("stop_token_ids", None)
-        elif isinstance(ids, (list, tuple)) and all(_is_int(i) for i in ids):
-            d["stop_token_ids"] = tuple(ids)
-        else:
-            raise ValueError("stop_token_ids must be a list of integers")
+        _normalize_stops(d)
         d["logit_bias"] = _parse_logit_bias(d.get("logit_bias"))
-        if d.get("json_schema_strict", False) is None:
-            d.pop("json_schema_strict")
-        elif not isinstance(d.get("json_schema_strict", False), bool):
-            raise ValueError(f"json_schema_strict must be a boolean, got {d['json_schema_strict']!r}")
-        if d.get("json_schema_strict") and d.get("json_schema") is None:
-            raise ValueError("json_schema_strict needs a json_schema.")
-        for name in ("json_schema", "structural_tag"):
-            if d.get(name) is not None:
-                d[name] = _canonical_json(name, d[name])
-        if d.get("json_schema_strict"):
-            d["json_schema"] = json.dumps(with_strict(json.loads(d["json_schema"]), True),
-                                          separators=(",", ":"), ensure_ascii=False)
-        if d.get("choice") is not None:
-            d["choice"] = _parse_choice(d["choice"])
-        for name in ("regex", "ebnf", "custom_logit_processor"):
-            if d.get(name) is not None and not isinstance(d[name], str):
-                raise ValueError(f"{name} must be a string, got {d[name]!r}")
-        if d.get("custom_params") is not None and not isinstance(d["custom_params"], Mapping):
-            raise ValueError(f"custom_params must be a JSON object, got {d['custom_params']!r}")
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
-            if name in d and not _is_int(d[name]):
-                raise ValueError(f"{name} must be an integer, got {d[name]!r}")
-        if d.get("seed") is not None and not _is_int(d["seed"]):
-            raise ValueError(f"seed must be an integer, got {d['seed']!r}")
-        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty"):
-            if d.get(name, 0) is None:
-                d.pop(name)
-            elif name in d and (isinstance(d[name], bool) or not isinstance(d[name], (int, float))):
-                raise ValueError(f"{name} must be a number, got {d[name]!r}")
-        for name in ("ignore_eos", "skip_special_tokens"):
-            if name in d and not isinstance(d[name], bool):
-                raise ValueError(f"{name} must be a boolean, got {d[name]!r}")
+        _normalize_constraints(d)
+        _check_value_types(d)
         params = cls(**d)
         params.verify()
         return params
@@ -192,6 +147,71 @@ class SamplingParams:
     @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+
+def _normalize_stops(d: dict) -> None:
+    """stop and stop_token_ids as tuples (a lone stop string is a one-item list); nulls
+    dropped so the defaults apply."""
+    stop = d.get("stop")
+    if stop is None:
+        d.pop("stop", None)
+    elif isinstance(stop, str):
+        d["stop"] = (stop,)
+    elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        d["stop"] = tuple(stop)
+    else:
+        raise ValueError("stop must be a string or a list of strings")
+    ids = d.get("stop_token_ids")
+    if ids is None:
+        d.pop("stop_token_ids", None)
+    elif isinstance(ids, (list, tuple)) and all(_is_int(i) for i in ids):
+        d["stop_token_ids"] = tuple(ids)
+    else:
+        raise ValueError("stop_token_ids must be a list of integers")
+
+
+def _normalize_constraints(d: dict) -> None:
+    """JSON specs as compact text (equal specs share one grammar cache entry), with
+    ``strict`` folded into the schema; choice lists checked."""
+    if d.get("json_schema_strict", False) is None:
+        d.pop("json_schema_strict")
+    elif not isinstance(d.get("json_schema_strict", False), bool):
+        raise ValueError(f"json_schema_strict must be a boolean, got {d['json_schema_strict']!r}")
+    if d.get("json_schema_strict") and d.get("json_schema") is None:
+        raise ValueError("json_schema_strict needs a json_schema.")
+    for name in ("json_schema", "structural_tag"):
+        if d.get(name) is not None:
+            d[name] = _canonical_json(name, d[name])
+    if d.get("json_schema_strict"):
+        # Part of the spec, hence of the cache key (schema_coverage.STRICT_KEY).
+        d["json_schema"] = json.dumps(with_strict(json.loads(d["json_schema"]), True),
+                                      separators=(",", ":"), ensure_ascii=False)
+    if d.get("choice") is not None:
+        d["choice"] = _parse_choice(d["choice"])
+
+
+def _check_value_types(d: dict) -> None:
+    """The JSON types of the remaining fields (ranges are ``verify``'s); null numbers
+    dropped so the defaults apply."""
+    for name in ("regex", "ebnf", "custom_logit_processor"):
+        if d.get(name) is not None and not isinstance(d[name], str):
+            raise ValueError(f"{name} must be a string, got {d[name]!r}")
+    if d.get("custom_params") is not None and not isinstance(d["custom_params"], Mapping):
+        raise ValueError(f"custom_params must be a JSON object, got {d['custom_params']!r}")
+    for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+        if name in d and not _is_int(d[name]):
+            raise ValueError(f"{name} must be an integer, got {d[name]!r}")
+    if d.get("seed") is not None and not _is_int(d["seed"]):
+        raise ValueError(f"seed must be an integer, got {d['seed']!r}")
+    for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty"):
+        if d.get(name, 0) is None:
+            d.pop(name)
+        elif name in d and (isinstance(d[name], bool) or not isinstance(d[name], (int, float))):
+            raise ValueError(f"{name} must be a number, got {d[name]!r}")
+    for name in ("ignore_eos", "skip_special_tokens"):
+        if name in d and not isinstance(d[name], bool):
+            raise ValueError(f"{name} must be a boolean, got {d[name]!r}")
 
 
 def _canonical_json(name: str, value: Any) -> str:

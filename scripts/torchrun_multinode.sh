@@ -11,7 +11,7 @@
 # --tp-size x --dp-size must equal NNODES x NPROC_PER_NODE. torchrun stops every worker
 # of every node when one fails (--max-restarts 0), so the server never half-runs.
 #
-# Every node needs the same cluster secret (README "Security"): export
+# Every node needs the same cluster secret (docs/security.md): export
 # GRAMSYNC_CLUSTER_SECRET, or GRAMSYNC_CLUSTER_SECRET_FILE naming a file (mode 600) on
 # each node. Make one with: python -c 'import secrets; print(secrets.token_hex(32))'.
 # GRAMSYNC_API_KEY, if set, guards the HTTP API.

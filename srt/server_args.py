@@ -29,7 +29,7 @@ class ServerArgs:
     # HTTP
     host: str = _f("127.0.0.1", "HTTP host.")
     port: int = _f(30000, "HTTP port.")
-    graceful_shutdown_timeout: float = _f(20.0, "On SIGTERM: refuse new requests (503), let running ones finish for up to this many seconds, then end the rest with an error and exit 0 (README 'Graceful shutdown'; SIGINT: at once).")
+    graceful_shutdown_timeout: float = _f(20.0, "On SIGTERM: refuse new requests (503), let running ones finish for up to this many seconds, then end the rest with an error and exit 0 (docs/multi-rank.md 'Graceful shutdown'; SIGINT: at once).")
     # Security (README "Security")
     api_key: Optional[str] = _f(None, "Every endpoint but /health and /metrics needs 'Authorization: Bearer <key>' (default: $GRAMSYNC_API_KEY; unset: no key).")
     admin_api_key: Optional[str] = _f(None, "Key for the admin endpoints (/abort_request, /get_server_info); the --api-key does not grant them (default: $GRAMSYNC_ADMIN_API_KEY; unset: --api-key guards them).")
@@ -40,7 +40,7 @@ class ServerArgs:
     mem_fraction_static: Optional[float] = _f(None, "Fraction of free memory for the KV cache (default: 0.85 on CUDA, 0.1 of RAM on CPU).")
     max_running_requests: int = _f(64, "Maximum requests decoding at once.")
     max_queued_requests: Optional[int] = _f(None, "Most requests waiting to run (queued or compiling their grammar) per DP group; past it a new request gets 503 at once (SGLang's flag; default: unbounded).")
-    chunked_prefill_size: Optional[int] = _f(None, "Most prompt tokens prefilled in one step while requests are decoding: a longer prompt is split into chunks, with a decode step for the running requests after each (with none running, a step takes up to --max-prefill-tokens). -1 disables. Default: 256 on CPU, 8192 on CUDA (README 'Chunked prefill').")
+    chunked_prefill_size: Optional[int] = _f(None, "Most prompt tokens prefilled in one step while requests are decoding: a longer prompt is split into chunks, with a decode step for the running requests after each (with none running, a step takes up to --max-prefill-tokens). -1 disables. Default: 256 on CPU, 8192 on CUDA (docs/speed.md 'Chunked prefill').")
     max_prefill_tokens: int = _f(8192, "Token budget of one prefill batch (a longer single prompt still runs alone).")
     stream_interval: int = _f(1, "Send stream chunks every this many decode steps.")
     random_seed: Optional[int] = _f(None, "Seed for unseeded sampling (default: random, shared by all ranks).")
@@ -68,7 +68,7 @@ class ServerArgs:
     grammar_compile_threads: int = _f(2, "Threads per rank that compile grammars in the background.")
     grammar_cache_size: int = _f(1024, "Compiled grammars (and compile failures) kept per rank, least recently used evicted.")
     reasoning_parser: Optional[str] = _f(None, "Thinking-model format: constraints start after the think-end token (qwen3, deepseek-r1).", ["qwen3", "deepseek-r1"])
-    tool_call_parser: Optional[str] = _f(None, "Tool-call format (README 'Tool calling'): hermes, qwen25 or qwen (all the <tool_call> JSON format, also the default); the grammar, the history rendering and the parser follow it.", ["hermes", "qwen25", "qwen"])
+    tool_call_parser: Optional[str] = _f(None, "Tool-call format (docs/tools.md): hermes, qwen25 or qwen (all the <tool_call> JSON format, also the default); the grammar, the history rendering and the parser follow it.", ["hermes", "qwen25", "qwen"])
     # Parallelism
     tp_size: int = _f(1, "Tensor-parallel size: ranks that shard one copy of the model.")
     dp_size: int = _f(1, "Data-parallel size: independent TP groups; the frontend spreads requests over them.")
@@ -80,7 +80,7 @@ class ServerArgs:
     watchdog_timeout: float = _f(300.0, "Seconds a scheduler iteration may take before its rank exits and the server goes down with it (0: off).")
     # Logging and metrics
     log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
-    enable_metrics: bool = _f(False, "Serve Prometheus metrics at GET /metrics (README 'Metrics'); 404 without this flag.")
+    enable_metrics: bool = _f(False, "Serve Prometheus metrics at GET /metrics (docs/operations.md 'Metrics'); 404 without this flag.")
 
     def __post_init__(self):
         if self.tp_size < 1 or self.dp_size < 1:

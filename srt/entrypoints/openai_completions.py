@@ -24,10 +24,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from srt.entrypoints.openai_logprobs import completion_logprobs, joined, prompt_logprobs
 from srt.entrypoints.openai_protocol import CompletionRequest
 from srt.entrypoints.openai_responses import CompletionChoice, CompletionResponse, PromptTokensDetails, UsageInfo
-from srt.entrypoints.openai_serving import (
-    SSE_DONE, ChoiceStream, OpenAIServing, _finish, choice_outputs, error_response, errors_as_events, sse,
-    structured_output, usage_of,
-)
+from srt.entrypoints.http_common import SSE_DONE, error_response, errors_as_events, sse
+from srt.entrypoints.openai_choices import ChoiceStream, _finish, choice_outputs, structured_output, usage_of
+from srt.entrypoints.openai_serving import OpenAIServing
 from srt.managers.samples import merge_samples
 
 

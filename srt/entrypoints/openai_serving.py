@@ -1,149 +1,30 @@
-"""Handlers for /v1/chat/completions and /v1/completions, plus the HTTP helpers that the
-native /generate endpoint shares (JSON parsing, error responses, disconnect handling)."""
+"""The OpenAI chat endpoint (/v1/chat/completions) and the request parsing and waiting that
+/v1/completions (openai_completions.py) shares with it through ``OpenAIServing``."""
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from srt.entrypoints.json_body import parse_json_body
+from srt.entrypoints.http_common import (
+    OFFLOOP_BODY_BYTES, SSE_DONE, abort_error, error_response, errors_as_events, last_output_or_disconnect,
+    read_json, sse,
+)
+from srt.entrypoints.openai_choices import ChoiceStream, _finish, choice_outputs, structured_output, usage_of
 from srt.entrypoints.openai_logprobs import TokenTexts, chat_logprobs
-from srt.entrypoints.openai_protocol import ChatCompletionRequest, error_body, validation_error_message
+from srt.entrypoints.openai_protocol import ChatCompletionRequest, validation_error_message
 from srt.entrypoints.openai_responses import (
     ChatCompletionChoice, ChatCompletionChunk, ChatCompletionResponse, ChatCompletionStreamChoice, ChatMessageOut,
-    DeltaMessage, PromptTokensDetails, UsageInfo,
+    DeltaMessage,
 )
 from srt.function_call.serving import ToolCalling
 from srt.managers.generate_input import check_fits_context
-from srt.managers.samples import combine_usage
 from srt.managers.tokenizer_manager import OFFLOOP_CHARS, TokenizerManager
-from srt.security.http_guard import read_body_limited
 from srt.tokenizer_utils import apply_chat_template
-
-OFFLOOP_BODY_BYTES = 1 << 20  # larger bodies are parsed off the event loop
-DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler checks for a gone client
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def error_response(message: str, status_code: int = 400, param: Optional[str] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status_code, param), status_code=status_code)
-
-
-def sse(obj: Any) -> str:
-    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
-    return f"data: {data}\n\n"
-
-
-async def read_json(request: Request) -> Any:
-    """The JSON body, read up to --max-request-bytes (else RequestTooLarge: 413); a large
-    body is parsed on a worker thread so the event loop keeps serving others."""
-    body = await read_body_limited(request, request.app.state.http_guard.max_request_bytes)
-    request.state.body_bytes = len(body)  # handlers move large requests' work off the loop
-    if len(body) > OFFLOOP_BODY_BYTES:
-        return await request.app.state.tokenizer_manager.offload(parse_json_body, body)
-    return parse_json_body(body)
-
-
-async def last_output_or_disconnect(request: Request, outputs: AsyncIterator[dict]) -> Optional[dict]:
-    """Drain ``outputs``; return its last item, or None if the client disconnected first
-    (then the generator is cancelled, which aborts the request in the scheduler)."""
-
-    async def drain():
-        last = None
-        async for out in outputs:
-            last = out
-        return last
-
-    task = asyncio.create_task(drain())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                return None
-    finally:  # disconnected, or this handler itself was cancelled
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-
-async def errors_as_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Once a stream has started, a user error becomes an SSE error event, never a cut."""
-    try:
-        async with contextlib.aclosing(events):
-            async for event in events:
-                yield event
-    except ValueError as e:
-        yield sse(error_body(str(e)))
-
-
-def abort_error(finish_reason: dict) -> JSONResponse:
-    return error_response(finish_reason.get("message") or "Request aborted.",
-                          finish_reason.get("status_code") or 500)
-
-
-def _usage(meta: dict) -> UsageInfo:  # one output's meta_info, or combine_usage's counts
-    p, c = meta["prompt_tokens"], meta["completion_tokens"]
-    return UsageInfo(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=meta.get("cached_tokens", 0)))
-
-
-async def choice_outputs(tm: TokenizerManager, req) -> AsyncIterator[tuple[int, Any]]:
-    """A streamed request's outputs as (choice index, output); an abort comes as
-    (index, its SSE error event) and ends it. Closing this aborts the request."""
-    async with contextlib.aclosing(tm.generate_request(req)) as outputs:
-        async for out in outputs:
-            fr = out["meta_info"]["finish_reason"]
-            if fr is not None and fr["type"] == "abort":
-                yield out.get("index", 0), sse(error_body(fr.get("message") or "Request aborted.",
-                                                          fr.get("status_code") or 500))
-                return
-            yield out.get("index", 0), out
-
-
-def usage_of(outs: list[dict]) -> UsageInfo:
-    """Usage of a request's outputs (n > 1: the prompt once, every sample's completion)."""
-    return _usage(combine_usage(outs))
-
-
-@dataclass
-class ChoiceStream:
-    """What one streamed choice has sent so far."""
-
-    tools: Any  # its tool-call stream parser
-    sent: str = ""
-    logprobs_sent: int = 0
-
-
-def _finish(fr: Optional[dict]) -> tuple[Optional[str], Any]:
-    """(OpenAI finish_reason, SGLang matched_stop)."""
-    if fr is None:
-        return None, None
-    return fr["type"], fr.get("matched")
-
-
-def structured_output(meta: dict) -> dict:
-    """A choice's structured-output fields (README): ``grammar`` (what served its json_schema)
-    and ``schema_violation`` (finish_reason "schema_violation": the validator's message,
-    keyword and paths). Empty until the request finishes."""
-    fr, out = meta.get("finish_reason"), {}
-    if fr is not None and meta.get("grammar") is not None:
-        out["grammar"] = meta["grammar"]
-    if fr is not None and fr["type"] == "schema_violation":
-        # "part": the structural-tag part (a tool call's: its function name) that broke its schema
-        out["schema_violation"] = {k: fr[k] for k in ("message", "keyword", "path", "schema_path", "part")
-                                   if k in fr}
-    return out
 
 
 class OpenAIServing:
@@ -286,7 +167,3 @@ class OpenAIServing:
             yield sse(ChatCompletionChunk(id=f"chatcmpl-{req.rid}", created=created, model=model,
                                           choices=[], usage=usage_of([finals[i] for i in range(n)])))
 
-    async def completions(self, request: Request) -> Response:
-        from srt.entrypoints.openai_completions import serve_completions
-
-        return await serve_completions(self, request)

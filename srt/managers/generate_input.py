@@ -76,16 +76,38 @@ def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
     compile errors as 400s; here only the spec's shape is checked."""
     if (obj.text is None) == (obj.input_ids is None):
         raise ValueError("Exactly one of text or input_ids must be given.")
+    sp = _merged_sampling_params(obj)
+    # Noted before parsing: SamplingParams reads a null max_new_tokens as its default.
+    fill_context = "max_new_tokens" in sp and sp["max_new_tokens"] is None
+    params = SamplingParams.from_dict(sp)
+    params.verify(info.vocab_size)
+    _check_server_policies(params, info.vocab_size, enable_custom_logit_processor,
+                           grammar_backend)
+    input_ids = _prompt_token_ids(obj, tokenizer, info, max_token_chars)
+    n = len(input_ids)
+    _check_prompt_fits(n, info)
+    params = _with_output_budget(params, n, info, fill_context)
+    rid = obj.rid if obj.rid is not None else uuid.uuid4().hex
+    return TokenizedGenerateReq(rid, tuple(input_ids), params, bool(obj.stream),
+                                require_reasoning=bool(obj.require_reasoning),
+                                logprobs=logprob_request(obj, n))
+
+
+def _merged_sampling_params(obj: GenerateReqInput) -> dict:
+    """The request's sampling_params with the top-level custom_logit_processor (SGLang's
+    place for it) moved in; giving it in both places is fine only if they agree."""
     sp = dict(obj.sampling_params or {})
     if obj.custom_logit_processor is not None:
         if sp.get("custom_logit_processor") not in (None, obj.custom_logit_processor):
             raise ValueError("custom_logit_processor is given twice (top level and in "
                              "sampling_params) with different values.")
         sp["custom_logit_processor"] = obj.custom_logit_processor
-    fill_context = "max_new_tokens" in sp and sp["max_new_tokens"] is None
-    params = SamplingParams.from_dict(sp)
-    vocab = info.vocab_size
-    params.verify(vocab)
+    return sp
+
+
+def _check_server_policies(params: SamplingParams, vocab: int,
+                           enable_custom_logit_processor: bool, grammar_backend: str) -> None:
+    """Reject what this server was started not to serve (constraints, custom processors)."""
     if params.constraint is not None and grammar_backend == "none":
         # Never ignore a constraint silently: the output would not follow it.
         raise ValueError(DISABLED_MESSAGE.format(kind=params.constraint[0]))
@@ -94,19 +116,29 @@ def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
             raise ValueError("This server does not accept custom logit processors: start it "
                              "with --enable-custom-logit-processor to allow custom_logit_processor.")
         validate_custom_logit_processor(params.custom_logit_processor, params.custom_params, vocab)
+
+
+def _prompt_token_ids(obj: GenerateReqInput, tokenizer, info: SchedulerInfo,
+                      max_token_chars: Optional[int]) -> list[int]:
+    """The prompt's token ids: the text tokenized (once it surely fits the context), or the
+    given ids checked against the vocabulary."""
     if obj.text == "":
         raise ValueError("The input is empty: the prompt must have at least one token.")
     if obj.text is not None and max_token_chars is not None:
         check_fits_context(len(obj.text), info.context_len, max_token_chars)
     if obj.text is not None:
-        input_ids = list(tokenizer.encode(obj.text))
-    else:
-        input_ids = list(obj.input_ids)
-        bad = [t for t in input_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"input_ids must be in [0, {vocab}), got {bad[0]}.")
-    n, ctx = len(input_ids), info.context_len
-    pool = info.max_total_num_tokens
+        return list(tokenizer.encode(obj.text))
+    input_ids = list(obj.input_ids)
+    bad = [t for t in input_ids if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ValueError(f"input_ids must be in [0, {info.vocab_size}), got {bad[0]}.")
+    return input_ids
+
+
+def _check_prompt_fits(n: int, info: SchedulerInfo) -> None:
+    """A prompt of ``n`` tokens must be non-empty and leave room in the context and in the
+    KV cache pool (the scheduler could never run it otherwise)."""
+    ctx, pool = info.context_len, info.max_total_num_tokens
     if n == 0:
         raise ValueError("The input is empty: the prompt must have at least one token.")
     if n >= ctx:
@@ -118,12 +150,19 @@ def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
             f"The input ({n} tokens) is longer than the KV cache pool ({pool} tokens); "
             "start the server with a larger --max-total-tokens."
         )
+
+
+def _with_output_budget(params: SamplingParams, n: int, info: SchedulerInfo,
+                        fill_context: bool) -> SamplingParams:
+    """``params`` with max_new_tokens settled for an ``n``-token prompt: filled up to the
+    context when it was null, else checked to fit it."""
+    ctx, pool = info.context_len, info.max_total_num_tokens
     if fill_context:
         # OpenAI semantics: no max_tokens = up to the context (and what the pool holds).
-        params = dataclasses.replace(
+        return dataclasses.replace(
             params, max_new_tokens=max(min(ctx, pool) - n, params.min_new_tokens)
         )
-    elif n + params.max_new_tokens > ctx:
+    if n + params.max_new_tokens > ctx:
         # SGLang's message (it errors rather than clipping silently).
         raise ValueError(
             f"Requested token count exceeds the model's maximum context length of {ctx} "
@@ -132,10 +171,7 @@ def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
             "completion. Please reduce the number of tokens in the input messages or the "
             "completion to fit within the limit."
         )
-    rid = obj.rid if obj.rid is not None else uuid.uuid4().hex
-    return TokenizedGenerateReq(rid, tuple(input_ids), params, bool(obj.stream),
-                                require_reasoning=bool(obj.require_reasoning),
-                                logprobs=logprob_request(obj, n))
+    return params
 
 
 def logprob_request(obj: GenerateReqInput, prompt_len: int) -> Optional[LogprobRequest]:

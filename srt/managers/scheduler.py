@@ -2,8 +2,8 @@
 
 Per iteration: receive (entry rank) and broadcast new requests and aborts -> poll grammar
 compiles and agree on them (GrammarManager) -> pick a prefill or decode batch under the token and KV
-budgets -> forward -> sample -> append tokens, check stop conditions, free finished
-requests -> the entry rank sends outputs to the frontend.
+budgets -> run it (batch_step.py: forward -> sample -> append tokens, check stop conditions,
+free finished requests) -> the entry rank sends outputs to the frontend.
 """
 from __future__ import annotations
 
@@ -19,19 +19,18 @@ import torch
 from constrained.grammar_manager import GrammarManager, GrammarPolling
 from constrained.registry import create_grammar_backend
 from distributed.parallel_state import RankInfo, TPGroup
-from distributed.token_agreement import agree_on_sampled_ids
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
 from srt.forward_batch import ForwardMode
 from srt.managers.batch_log import BatchLog
-from srt.managers.logprob_tracker import (logprob_rows, plan_prompt_logprobs, record_output_logprobs,
-                                          record_prompt_logprobs, take_logprob_deltas)
+from srt.managers.batch_step import BatchStepMixin
+from srt.managers.logprob_tracker import take_logprob_deltas
 from srt.managers.io_struct import (AbortReq, BatchTokenOut, FinishReason, FlushCacheOut, FlushCacheReq,
                                    TokenizedGenerateReq)
 from srt.managers.req import Req
 from srt.managers.schedule_batch import KVCacheManager
 from srt.managers.schedule_policy import PrefillAdder
-from srt.managers.step_stats import StepStats
+from srt.managers.step_stats import StatsCounter, StepStats
 from srt.mem_cache.radix_cache import RadixCache
 from srt.metrics.scheduler_reporter import SchedulerMetricsReporter
 from srt.model_config import ModelConfig
@@ -42,7 +41,16 @@ logger = logging.getLogger(__name__)
 Message = Union[TokenizedGenerateReq, AbortReq, FlushCacheReq]
 
 
-class Scheduler:
+class Scheduler(BatchStepMixin):
+    # Counters benchmarks and tests read (and reset) here; they live in step_stats.
+    mask_fill_seconds = StatsCounter()
+    mask_fill_work_seconds = StatsCounter()
+    mask_apply_seconds = StatsCounter()
+    mask_steps = StatsCounter()
+    token_agreement_steps = StatsCounter()
+    token_mismatches = StatsCounter()
+    fast_forward_tokens = StatsCounter()
+
     def __init__(self, server_args: ServerArgs, rank_info: RankInfo, tp: TPGroup,
                  model_config: ModelConfig, tokenizer=None, batch_log: Optional[BatchLog] = None):
         self.server_args = server_args
@@ -78,21 +86,13 @@ class Scheduler:
         self.grammar_manager = GrammarManager(backend, tp, **self.grammar_manager_kwargs())
         # Decode steps fill their grammar bitmask on this thread while the forward runs.
         self.mask_executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        # Seconds spent filling / applying grammar masks, for benchmarks and logs: the fill
-        # as waited for on the critical path, and as worked (overlapped or not).
-        self.mask_fill_seconds = self.mask_fill_work_seconds = self.mask_apply_seconds = 0.0
-        self.mask_steps = 0
         # Grammar fast-forward: forced tokens are appended without a decode step each and
         # ride along as extra rows of the next decode step, up to this many rows in all
         # (the compiled step's / CUDA graphs' largest batch: more would run it eagerly).
         self.fast_forward = not server_args.disable_grammar_fast_forward
         graph = r.compiled_decode or r.cuda_graph_runner
         self.decode_row_limit = graph.max_bs if graph is not None else server_args.torch_compile_max_bs
-        self.fast_forward_tokens = 0  # appended so far, for benchmarks and logs
-        # Token agreement (TP > 1, batches with grammars): rows where this rank's own
-        # sample differed from the agreed one. Expected to stay 0; measured, not assumed.
-        self.token_agreement_steps = self.token_mismatches = 0
-        self.step_stats = StepStats()  # per-phase seconds, for the benchmark breakdown
+        self.step_stats = StepStats()  # per-phase seconds and counters, for benchmarks and logs
         # --enable-metrics, entry rank only: throttled SchedulerMetrics to the frontend.
         self.metrics_reporter = SchedulerMetricsReporter.create(server_args, rank_info)
 
@@ -207,7 +207,7 @@ class Scheduler:
 
     # ---- one iteration -----------------------------------------------------------------
     def step(self) -> list[Union[BatchTokenOut, FlushCacheOut]]:
-        start = time.perf_counter()
+        self.step_stats.start_step()
         self._poll_grammars()
         touched = self.pending_outputs
         self.pending_outputs = []
@@ -218,14 +218,11 @@ class Scheduler:
         mode, reqs = batch
         if self.metrics_reporter is not None:
             self.metrics_reporter.before_batch(mode is ForwardMode.EXTEND, reqs)
-        timed = self._run_batch(mode, reqs)
+        self._run_batch(mode, reqs)  # a prefill chunk leaves reqs: it has no output yet
         if self.metrics_reporter is not None:
             self.metrics_reporter.after_batch(reqs)
         outputs = control + self._make_outputs(touched + reqs)
-        times = self.step_stats.mode(mode.name)
-        times.steps += 1
-        # Whatever the timed phases did not take: batching, bookkeeping, outputs.
-        times.add("scheduler", time.perf_counter() - start - timed)
+        self.step_stats.end_step(mode.name)  # the rest of the step counts as "scheduler"
         return outputs
 
     def _poll_grammars(self) -> None:
@@ -275,182 +272,6 @@ class Scheduler:
             logger.info("%s KV cache full: retracting %s", self.rank_info.log_prefix, req.rid)
             self.num_retractions += 1
             self.waiting.appendleft(req)
-
-    def _run_batch(self, mode: ForwardMode, reqs: list[Req]) -> float:
-        """Run one batch; returns the seconds it added to the forward/sampling/grammar phases."""
-        prompt_plan = []
-        if mode is ForwardMode.EXTEND:
-            fb = self.kv.prepare_extend(reqs)
-            fb.logit_rows, prompt_plan = plan_prompt_logprobs(reqs, fb.extend_seq_lens_cpu,
-                                                              fb.extend_prefix_lens_cpu)
-            now = time.monotonic()
-            for r in reqs:
-                r.first_scheduled_time = r.first_scheduled_time or now
-        else:
-            counts = [r.uncomputed_tokens for r in reqs]
-            fb = self.kv.prepare_decode(reqs)
-            # The grammars are settled until this step's tokens are accepted: fill their
-            # bitmask while the forward runs.
-            self.running_info.start_vocab_mask_fill(self.mask_executor)
-        self.batch_log.record(mode.name, (r.rid for r in reqs))
-        times = self.step_stats.mode(mode.name)
-        t0 = time.perf_counter()
-        logits = self.runner.forward(fb)
-        if prompt_plan:  # rows past the batch's last-per-sequence ones: prompt logprobs
-            record_prompt_logprobs(prompt_plan, logits[len(reqs):], self.rank_info.is_entry_rank)
-            logits = logits[:len(reqs)].float()  # rows came in the model's dtype
-        if mode is ForwardMode.DECODE and fb.batch_size != len(reqs):
-            # Fast-forwarded requests fed several rows: sample from each one's last row.
-            logits = logits[torch.tensor(counts).cumsum(0) - 1]
-        t1 = time.perf_counter()
-        if mode is ForwardMode.EXTEND and reqs[-1].extend_limit is not None:
-            # Mid-prefill: no token (its grammar and sampling state see nothing); it goes
-            # back to the queue's front, and the running requests decode next.
-            chunked = reqs.pop()
-            chunked.extend_limit = None
-            self.waiting.appendleft(chunked)
-            self._decode_next = True
-            logits = logits[:len(reqs)]
-            if not reqs:
-                times.add("forward", t1 - t0)
-                return t1 - t0
-        if mode is ForwardMode.EXTEND:
-            scored = [i for i, r in enumerate(reqs) if r.sampling_params.max_new_tokens == 0]
-            if scored:  # prompt scoring (max_new_tokens 0): done once the prompt is prefilled
-                reqs, logits = self._finish_scored(reqs, scored, logits)
-                if not reqs:
-                    times.add("forward", t1 - t0)
-                    return t1 - t0
-            info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.runner.device,
-                                               self.generator)
-        else:
-            info = self.running_info
-            assert info is not None and len(info) == len(reqs), "sampling state out of step"
-        lp_rows = logprob_rows(reqs, self.rank_info.is_entry_rank)
-        next_ids, logprobs = self.runner.sample(logits, info, lp_rows)
-        has_grammar = any(g is not None for g in info.grammars)
-        if not self.tp.is_single and has_grammar:
-            # Same decision on every rank (identical batch): grammars must see one token.
-            next_ids, mismatches = agree_on_sampled_ids(next_ids, self.tp)
-            self.token_agreement_steps += 1
-            self.batch_log.record_agreement(mismatches)
-            if mismatches:
-                self.token_mismatches += mismatches
-                logger.warning("%s %d sampled token(s) differed from the TP group's agreed ids",
-                               self.rank_info.log_prefix, mismatches)
-        if info.vocab_mask is not None:
-            self.mask_fill_seconds += info.mask_fill_seconds
-            self.mask_fill_work_seconds += info.mask_fill_work_seconds
-            self.mask_apply_seconds += info.mask_apply_seconds
-            self.mask_steps += 1
-        info.cumulate_output_tokens(next_ids)
-        record_output_logprobs(reqs, lp_rows, logprobs, next_ids)
-        t3 = time.perf_counter()
-        failed = info.take_failed_rows()
-        forced_rows, forced_ids = [], []
-        rows_left = self.decode_row_limit - len(reqs) - (len(self.running) if mode is ForwardMode.EXTEND else 0)
-        for i, (r, tok) in enumerate(zip(reqs, next_ids.tolist())):
-            if i not in failed:  # a failed row's token is never used
-                r.output_ids.append(tok)
-                message = self._accept_into_grammar(r, tok)
-                failed[i] = None if message is None else (message, 500)
-            if failed[i] is None:
-                r.check_finished(self.tokenizer)
-                # Forced tokens have no distribution of their own: no fast-forward for
-                # requests that asked for logprobs.
-                if (self.fast_forward and r.grammar is not None and rows_left > 0
-                        and not r.finished and not r.return_logprob):
-                    forced, failed[i] = self._fast_forward(r, rows_left)
-                    rows_left -= len(forced)
-                    forced_rows += [i] * len(forced)
-                    forced_ids += forced
-            if failed[i] is not None:
-                message, status = failed[i]
-                logger.warning("%s aborting %s: %s", self.rank_info.log_prefix, r.rid, message)
-                r.finished_reason = FinishReason("abort", message=message, status_code=status)
-            if r.finished:
-                if r.grammar is not None:
-                    r.grammar.finished = True
-                self.kv.release(r)
-                self.reqs.pop(r.rid, None)
-        info.cumulate_forced_tokens(forced_rows, forced_ids)
-        if forced_rows:
-            self.batch_log.record_forced(forced_rows, forced_ids)
-        fill = info.mask_fill_seconds if info.vocab_mask is not None else 0.0
-        grammar = fill + (time.perf_counter() - t3 if has_grammar else 0.0)
-        # Sampling includes applying the mask; filling it is grammar work.
-        phases = {"forward": t1 - t0, "sampling": t3 - t1 - fill, "grammar": grammar}
-        for phase, secs in phases.items():
-            times.add(phase, secs)
-        timed = sum(phases.values())
-        keep = [i for i, r in enumerate(reqs) if not r.finished]
-        if mode is ForwardMode.EXTEND:
-            for i in keep:  # their prompts' KV is shared from now on, not only after they finish
-                self.kv.cache_prefilled(reqs[i])
-        if self.kv.tree is not None:  # the tree as this batch left it
-            self.batch_log.record_cache(self.kv.tree.digest, self.kv.tree.evicted_tokens)
-        if mode is ForwardMode.DECODE:
-            self._keep_running([r for r in self.running if not r.finished])
-            return timed
-        if not keep:
-            return timed
-        if len(keep) < len(reqs):
-            info.filter_batch(keep)
-        self.running.extend(reqs[i] for i in keep)
-        if self.running_info is None:
-            self.running_info = info
-        else:
-            self.running_info.merge_batch(info)
-        return timed
-
-    def _finish_scored(self, reqs: list[Req], scored: list[int], logits: torch.Tensor
-                       ) -> tuple[list[Req], torch.Tensor]:
-        """Finish requests that only score their prompt (its logprobs were recorded by
-        this prefill); they sample nothing. Returns the rest of the batch and its logits.
-        ``reqs`` itself is left whole: the step reports every request in it."""
-        for i in scored:
-            r = reqs[i]
-            r.finished_reason = FinishReason("length", matched=0)
-            if r.grammar is not None:
-                r.grammar.finished = True
-            self.kv.release(r)
-            self.reqs.pop(r.rid, None)
-        done = set(scored)
-        keep = [i for i in range(len(reqs)) if i not in done]
-        return [reqs[i] for i in keep], logits[torch.tensor(keep, dtype=torch.int64)]
-
-    @staticmethod
-    def _accept_into_grammar(req: Req, token: int) -> Optional[str]:
-        """Advance the request's grammar; an error message if it rejects the token."""
-        if req.grammar is None:
-            return None
-        try:
-            req.grammar.accept_token(token)
-        except Exception as e:  # aborts this request only
-            return f"Grammar rejected the sampled token {token}: {e}"
-        return None
-
-    def _fast_forward(self, req: Req, max_rows: int) -> tuple[list[int], Optional[tuple[str, int]]]:
-        """Append the tokens the request's grammar forces next; their KV is computed by the
-        next decode step. A pure function of grammar state and counts every rank shares, so
-        ranks force the same tokens. Returns (appended tokens, failure or None)."""
-        budget = min(req.remaining_new_tokens(), max_rows)
-        try:
-            forced = req.grammar.fast_forward(budget)
-        except Exception as e:  # a library bug aborts this request only
-            return [], (f"Grammar fast-forward failed: {type(e).__name__}: {e}", 500)
-        appended = []
-        for k, tok in enumerate(forced):
-            req.output_ids.append(tok)
-            appended.append(tok)
-            if k + 1 < len(forced) and req.grammar.is_terminated():
-                continue  # the grammar took them all (llguidance): it ends after the last one
-            req.check_finished(self.tokenizer)  # a stop string may end inside forced text
-            if req.finished:
-                break
-        req.fast_forward_tokens += len(appended)
-        self.fast_forward_tokens += len(appended)
-        return appended, None
 
     def _keep_running(self, kept: list[Req]) -> None:
         """Shrink `running` to `kept` (a subsequence) and its sampling state with it."""

@@ -1,0 +1,261 @@
+"""One batch through the model, phase by phase (the scheduler's ``_run_batch``):
+
+prepare (KV slots, the prompt-logprob plan; a decode's grammar mask fill starts here and
+overlaps the forward) -> forward -> sample (TP ranks agree on the token when grammars are
+in the batch) -> process results (grammar accept, fast-forward, finish and release) ->
+update the running set (prefilled prompts enter the prefix cache).
+
+Every rank runs the same phases on the same batch; ``StepStats`` times them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from distributed.token_agreement import agree_on_sampled_ids
+from sampling.sampling_batch_info import SamplingBatchInfo
+from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.managers.io_struct import FinishReason
+from srt.managers.logprob_tracker import (PromptLogprobRows, logprob_rows, plan_prompt_logprobs,
+                                          record_output_logprobs, record_prompt_logprobs)
+from srt.managers.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BatchStep:
+    """One batch on its way through the phases; each phase fills in its part."""
+    mode: ForwardMode
+    reqs: list[Req]  # the caller's list (a chunk is popped from it), then those that sample
+    fb: ForwardBatch
+    prompt_plan: list[PromptLogprobRows] = field(default_factory=list)
+    row_counts: Optional[list[int]] = None  # decode: rows per request (> 1 after a fast-forward)
+    logits: Optional[torch.Tensor] = None  # one row per request, to sample from
+    info: Optional[SamplingBatchInfo] = None
+    next_ids: Optional[torch.Tensor] = None
+    has_grammar: bool = False  # any request in the batch has one: its time counts as grammar
+
+    @property
+    def mask_fill_seconds(self) -> float:
+        """Waiting for the grammar mask's fill (started before the forward)."""
+        return self.info.mask_fill_seconds if self.info.vocab_mask is not None else 0.0
+
+
+class BatchStepMixin:
+    """``Scheduler``'s batch phases. They use its kv, runner, tp, rank_info, batch_log,
+    step_stats, generator, mask_executor, tokenizer, vocab_size, fast-forward settings,
+    request sets (waiting, running, running_info, reqs) and ``_keep_running``."""
+
+    def _run_batch(self, mode: ForwardMode, reqs: list[Req]) -> None:
+        """prepare -> forward -> sample -> process results -> update the running set.
+        A prefill chunk leaves ``reqs`` (the caller's list): it has no output this step."""
+        stats = self.step_stats
+        step = self._prepare(mode, reqs)
+        with stats.phase("forward"):
+            self._forward(step)
+        with stats.phase("sampling") as sampling:
+            if not self._drop_unsampled(step):  # nothing to sample: only the forward is timed
+                sampling.cancel()
+                return
+            self._sample(step)
+        # Filling the mask is grammar work (applying it is sampling).
+        stats.move("sampling", "grammar", step.mask_fill_seconds)
+        with stats.phase("grammar", counted=step.has_grammar):
+            self._process_results(step)
+        self._update_running(step)
+
+    def _prepare(self, mode: ForwardMode, reqs: list[Req]) -> BatchStep:
+        """KV slots and the forward batch: a prefill's with the rows prompt logprobs need."""
+        if mode is ForwardMode.EXTEND:
+            fb = self.kv.prepare_extend(reqs)
+            fb.logit_rows, plan = plan_prompt_logprobs(reqs, fb.extend_seq_lens_cpu,
+                                                       fb.extend_prefix_lens_cpu)
+            now = time.monotonic()
+            for r in reqs:
+                r.first_scheduled_time = r.first_scheduled_time or now
+            step = BatchStep(mode, reqs, fb, prompt_plan=plan)
+        else:
+            counts = [r.uncomputed_tokens for r in reqs]
+            step = BatchStep(mode, reqs, self.kv.prepare_decode(reqs), row_counts=counts)
+            # The grammars are settled until this step's tokens are accepted: fill their
+            # bitmask while the forward runs.
+            self.running_info.start_vocab_mask_fill(self.mask_executor)
+        self.batch_log.record(mode.name, (r.rid for r in reqs))
+        return step
+
+    def _forward(self, step: BatchStep) -> None:
+        """The model's forward: prompt logprobs are recorded, one logits row per request kept."""
+        n = len(step.reqs)
+        logits = self.runner.forward(step.fb)
+        if step.prompt_plan:  # rows past the batch's last-per-sequence ones: prompt logprobs
+            record_prompt_logprobs(step.prompt_plan, logits[n:], self.rank_info.is_entry_rank)
+            logits = logits[:n].float()  # rows came in the model's dtype
+        if step.mode is ForwardMode.DECODE and step.fb.batch_size != n:
+            # Fast-forwarded requests fed several rows: sample from each one's last row.
+            logits = logits[torch.tensor(step.row_counts).cumsum(0) - 1]
+        step.logits = logits
+
+    def _drop_unsampled(self, step: BatchStep) -> bool:
+        """Requests that sample nothing leave the batch: a prefill's mid-prompt chunk and
+        its prompt-scoring requests. False when nothing is left to sample."""
+        if step.mode is not ForwardMode.EXTEND:
+            return True
+        reqs = step.reqs
+        if reqs[-1].extend_limit is not None:
+            # Mid-prefill: no token (its grammar and sampling state see nothing); it goes
+            # back to the queue's front, and the running requests decode next.
+            chunked = reqs.pop()
+            chunked.extend_limit = None
+            self.waiting.appendleft(chunked)
+            self._decode_next = True
+            step.logits = step.logits[:len(reqs)]
+            if not reqs:
+                return False
+        scored = [i for i, r in enumerate(reqs) if r.sampling_params.max_new_tokens == 0]
+        if scored:  # prompt scoring (max_new_tokens 0): done once the prompt is prefilled
+            step.reqs, step.logits = self._finish_scored(reqs, scored, step.logits)
+        return bool(step.reqs)
+
+    def _finish_scored(self, reqs: list[Req], scored: list[int], logits: torch.Tensor
+                       ) -> tuple[list[Req], torch.Tensor]:
+        """Finish requests that only score their prompt (its logprobs were recorded by
+        this prefill); they sample nothing. Returns the rest of the batch and its logits.
+        ``reqs`` itself is left whole: the step reports every request in it."""
+        for i in scored:
+            reqs[i].finished_reason = FinishReason("length", matched=0)
+            self._release_finished(reqs[i])
+        done = set(scored)
+        keep = [i for i in range(len(reqs)) if i not in done]
+        return [reqs[i] for i in keep], logits[torch.tensor(keep, dtype=torch.int64)]
+
+    def _sample(self, step: BatchStep) -> None:
+        """Each request's next token (and logprobs, when asked); with grammars in the batch,
+        TP ranks agree on one token per row."""
+        reqs = step.reqs
+        if step.mode is ForwardMode.EXTEND:
+            info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.runner.device,
+                                               self.generator)
+        else:
+            info = self.running_info
+            assert info is not None and len(info) == len(reqs), "sampling state out of step"
+        lp_rows = logprob_rows(reqs, self.rank_info.is_entry_rank)
+        next_ids, logprobs = self.runner.sample(step.logits, info, lp_rows)
+        step.has_grammar = any(g is not None for g in info.grammars)
+        if not self.tp.is_single and step.has_grammar:
+            next_ids = self._agree_on_tokens(next_ids)
+        self.step_stats.count_mask(info)
+        info.cumulate_output_tokens(next_ids)
+        record_output_logprobs(reqs, lp_rows, logprobs, next_ids)
+        step.info, step.next_ids = info, next_ids
+
+    def _agree_on_tokens(self, next_ids: torch.Tensor) -> torch.Tensor:
+        """Same decision on every rank (identical batch): grammars must see one token."""
+        next_ids, mismatches = agree_on_sampled_ids(next_ids, self.tp)
+        self.step_stats.count_agreement(mismatches)
+        self.batch_log.record_agreement(mismatches)
+        if mismatches:
+            logger.warning("%s %d sampled token(s) differed from the TP group's agreed ids",
+                           self.rank_info.log_prefix, mismatches)
+        return next_ids
+
+    def _process_results(self, step: BatchStep) -> None:
+        """Per request: its grammar accepts the token, the tokens it forces next are
+        fast-forwarded, stop conditions are checked; finished requests are released."""
+        reqs, info = step.reqs, step.info
+        failed = info.take_failed_rows()
+        forced_rows, forced_ids = [], []
+        rows_left = self.decode_row_limit - len(reqs) - (
+            len(self.running) if step.mode is ForwardMode.EXTEND else 0)
+        for i, (r, tok) in enumerate(zip(reqs, step.next_ids.tolist())):
+            if i not in failed:  # a failed row's token is never used
+                r.output_ids.append(tok)
+                message = accept_into_grammar(r, tok)
+                failed[i] = None if message is None else (message, 500)
+            if failed[i] is None:
+                r.check_finished(self.tokenizer)
+                # Forced tokens have no distribution of their own: no fast-forward for
+                # requests that asked for logprobs.
+                if (self.fast_forward and r.grammar is not None and rows_left > 0
+                        and not r.finished and not r.return_logprob):
+                    forced, failed[i] = self._fast_forward(r, rows_left)
+                    rows_left -= len(forced)
+                    forced_rows += [i] * len(forced)
+                    forced_ids += forced
+            if failed[i] is not None:
+                message, status = failed[i]
+                logger.warning("%s aborting %s: %s", self.rank_info.log_prefix, r.rid, message)
+                r.finished_reason = FinishReason("abort", message=message, status_code=status)
+            if r.finished:
+                self._release_finished(r)
+        info.cumulate_forced_tokens(forced_rows, forced_ids)
+        if forced_rows:
+            self.batch_log.record_forced(forced_rows, forced_ids)
+
+    def _fast_forward(self, req: Req, max_rows: int) -> tuple[list[int], Optional[tuple[str, int]]]:
+        """Append the tokens the request's grammar forces next; their KV is computed by the
+        next decode step. A pure function of grammar state and counts every rank shares, so
+        ranks force the same tokens. Returns (appended tokens, failure or None)."""
+        budget = min(req.remaining_new_tokens(), max_rows)
+        try:
+            forced = req.grammar.fast_forward(budget)
+        except Exception as e:  # a library bug aborts this request only
+            return [], (f"Grammar fast-forward failed: {type(e).__name__}: {e}", 500)
+        appended = []
+        for k, tok in enumerate(forced):
+            req.output_ids.append(tok)
+            appended.append(tok)
+            if k + 1 < len(forced) and req.grammar.is_terminated():
+                continue  # the grammar took them all (llguidance): it ends after the last one
+            req.check_finished(self.tokenizer)  # a stop string may end inside forced text
+            if req.finished:
+                break
+        req.fast_forward_tokens += len(appended)
+        self.step_stats.fast_forward_tokens += len(appended)
+        return appended, None
+
+    def _release_finished(self, req: Req) -> None:
+        """A finished request: its grammar is done, its KV released, and it is forgotten."""
+        if req.grammar is not None:
+            req.grammar.finished = True
+        self.kv.release(req)
+        self.reqs.pop(req.rid, None)
+
+    def _update_running(self, step: BatchStep) -> None:
+        """A prefill's unfinished requests join ``running`` (their prompts' KV is shared from
+        now on, not only after they finish); a decode's finished ones leave it. The
+        sampling state follows, row for row."""
+        reqs = step.reqs
+        keep = [i for i, r in enumerate(reqs) if not r.finished]
+        if step.mode is ForwardMode.EXTEND:
+            for i in keep:
+                self.kv.cache_prefilled(reqs[i])
+        if self.kv.tree is not None:  # the tree as this batch left it
+            self.batch_log.record_cache(self.kv.tree.digest, self.kv.tree.evicted_tokens)
+        if step.mode is ForwardMode.DECODE:
+            self._keep_running([r for r in self.running if not r.finished])
+            return
+        if not keep:
+            return
+        if len(keep) < len(reqs):
+            step.info.filter_batch(keep)
+        self.running.extend(reqs[i] for i in keep)
+        if self.running_info is None:
+            self.running_info = step.info
+        else:
+            self.running_info.merge_batch(step.info)
+
+
+def accept_into_grammar(req: Req, token: int) -> Optional[str]:
+    """Advance the request's grammar; an error message if it rejects the token."""
+    if req.grammar is None:
+        return None
+    try:
+        req.grammar.accept_token(token)
+    except Exception as e:  # aborts this request only
+        return f"Grammar rejected the sampled token {token}: {e}"
+    return None

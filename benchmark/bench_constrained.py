@@ -43,7 +43,7 @@ def make_scheduler(concurrency: int, dtype: str, eager: bool, **server_kwargs):
     from transformers import AutoTokenizer
 
     from distributed.parallel_state import SINGLE_RANK, RankInfo
-    from srt.managers.scheduler import Scheduler
+    from srt.scheduler.scheduler import Scheduler
     from srt.model_config import ModelConfig
     from srt.model_loader import resolve_model_path
     from srt.server_args import ServerArgs
@@ -75,7 +75,7 @@ def grammar_manager(sched, tok, backend: str):
 
 def requests(tok, n: int, max_new: int, constrained: bool, tag: str):
     from sampling.sampling_params import SamplingParams
-    from srt.managers.io_struct import TokenizedGenerateReq
+    from srt.transport.io_struct import TokenizedGenerateReq
 
     params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
     if constrained:

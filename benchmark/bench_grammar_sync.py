@@ -227,8 +227,8 @@ def _bench_decode(info, tp, args, barrier) -> dict:
 
     from constrained.grammar_manager import GrammarManager
     from sampling.sampling_params import SamplingParams
-    from srt.managers.io_struct import AbortReq, TokenizedGenerateReq
-    from srt.managers.scheduler import Scheduler
+    from srt.transport.io_struct import AbortReq, TokenizedGenerateReq
+    from srt.scheduler.scheduler import Scheduler
     from srt.model_config import ModelConfig
     from srt.model_loader import resolve_model_path
     from srt.server_args import ServerArgs

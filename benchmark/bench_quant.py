@@ -26,7 +26,7 @@ TEXT = Path(__file__).with_name("data") / "perplexity_text.txt"
 def perplexity(sched, ids: list[int]) -> float:
     """exp(mean NLL) of every token after the first, from one prefill's logits."""
     from sampling.sampling_params import SamplingParams
-    from srt.managers.req import Req
+    from srt.scheduler.req import Req
 
     req = Req("ppl", tuple(ids), SamplingParams.from_dict({"max_new_tokens": 1}), False,
               frozenset(), False)
@@ -40,7 +40,7 @@ def perplexity(sched, ids: list[int]) -> float:
 
 def greedy(sched, prompts_ids, n: int, tag: str) -> list[list[int]]:
     from sampling.sampling_params import SamplingParams
-    from srt.managers.io_struct import TokenizedGenerateReq
+    from srt.transport.io_struct import TokenizedGenerateReq
 
     params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
     msgs = [TokenizedGenerateReq(f"{tag}-{i}", tuple(p), params) for i, p in enumerate(prompts_ids)]

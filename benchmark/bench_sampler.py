@@ -32,7 +32,7 @@ import torch
 from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from sampling.sampling_params import SamplingParams
-from srt.managers.req import Req
+from srt.scheduler.req import Req
 
 QWEN_PADDED_VOCAB = 248320
 QWEN_SPECIAL_TOKENS = 33

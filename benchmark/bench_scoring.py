@@ -252,7 +252,7 @@ class Timers:
     prompt-logprob bookkeeping (log_softmax + gather + top-k + tolist)."""
 
     def __init__(self, sched, compiled_prefill: bool):
-        import srt.managers.scheduler as sched_mod
+        import srt.scheduler.scheduler as sched_mod
         from srt.layers.attention import Attention
         from srt.layers.linear import _TPLinear
 
@@ -298,7 +298,7 @@ def inprocess_round(sched, prompts, concurrency: int, max_new: int, tag: str) ->
     """Score every prompt with ``concurrency`` requests in flight, as the server sees
     them; (wall seconds, per-prompt results)."""
     from sampling.sampling_params import SamplingParams
-    from srt.managers.io_struct import LogprobRequest, TokenizedGenerateReq
+    from srt.transport.io_struct import LogprobRequest, TokenizedGenerateReq
 
     params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": max_new})
     lp_req = LogprobRequest(top_n=1, start_len=0)
@@ -331,7 +331,7 @@ class InProcess:
         from transformers import AutoTokenizer
 
         from distributed.parallel_state import SINGLE_RANK, RankInfo
-        from srt.managers.scheduler import Scheduler
+        from srt.scheduler.scheduler import Scheduler
         from srt.model_config import ModelConfig
 
         self.args = args = server_args_for(model_dir, server_argv)

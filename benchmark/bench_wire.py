@@ -4,7 +4,7 @@
         [--min-loop-ms 20]
 
 What crosses the frontend <-> scheduler sockets, encoded and decoded once per message
-(``srt/managers/wire.py``; the reference is ``pickle.dumps(protocol=HIGHEST)`` /
+(``srt/transport/wire.py``; the reference is ``pickle.dumps(protocol=HIGHEST)`` /
 ``pickle.loads``, what ``send_pyobj``/``recv_pyobj`` did before):
 
 - "step": one scheduler step's ``BatchTokenOut`` for B running requests (32-hex-char rids,
@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sampling.sampling_params import SamplingParams  # noqa: E402
-from srt.managers.io_struct import (  # noqa: E402
+from srt.transport.io_struct import (  # noqa: E402
     FRONTEND_INPUT_CODEC,
     SCHEDULER_INPUT_CODEC,
     BatchTokenOut,

@@ -20,7 +20,7 @@ def make_scheduler(model_dir: str, dtype: str, max_running: int, **server_kwargs
     from transformers import AutoTokenizer
 
     from distributed.parallel_state import SINGLE_RANK, RankInfo
-    from srt.managers.scheduler import Scheduler
+    from srt.scheduler.scheduler import Scheduler
     from srt.model_config import ModelConfig
     from srt.server_args import ServerArgs
 
@@ -34,7 +34,7 @@ def _decode(sched, prompts_ids: list[list[int]], new_tokens: int, tag: str,
             on_decode_start=lambda: None) -> list[float]:
     """Run the requests to the end; the wall time of each pure decode step."""
     from sampling.sampling_params import SamplingParams
-    from srt.managers.io_struct import TokenizedGenerateReq
+    from srt.transport.io_struct import TokenizedGenerateReq
 
     params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
     sched.process_input_requests([TokenizedGenerateReq(f"{tag}-{i}", tuple(ids), params)

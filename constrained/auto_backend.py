@@ -1,11 +1,11 @@
 """``--grammar-backend auto``: per json_schema request, the exact grammar if a library has
-one, else the closest approximation (README "Structured outputs"); other kinds go to
+one, else the closest approximation (docs/constrained.md "Structured outputs"); other kinds go to
 xgrammar, and to llguidance when xgrammar rejects the spec.
 
 json_schema, in order (schema_coverage.py decides what is exact):
 1. llguidance in its default mode, which refuses any keyword it does not enforce: exact
    whenever it compiles, and it compiles in about a millisecond where xgrammar can take
-   seconds (the real-world corpus: under full load xgrammar compiles timed out, README);
+   seconds (the real-world corpus: under full load xgrammar compiles timed out, docs/constrained.md);
 2. xgrammar, when it enforces every keyword (a few schemas llguidance refuses);
 3. not strict: whichever approximation drops fewer keywords -- llguidance lenient (oneOf as
    anyOf, unsupported keywords dropped) or xgrammar; llguidance on a tie (it enforces the

@@ -1,5 +1,5 @@
 """Which keywords of a JSON schema a grammar enforces: the basis of ``strict`` and of
-validating approximate grammars (README "Structured outputs").
+validating approximate grammars (docs/constrained.md "Structured outputs").
 
 A grammar is *exact* when every document it admits is valid against the schema; narrowing
 is fine (closed objects, bounded numbers, anchored patterns), widening is not. Each keyword

@@ -3,7 +3,7 @@
 What is compiled: the whole model forward of a DECODE batch (embedding, every layer with
 its attention over the paged pool, final norm, LM head) as one graph. Inductor's
 ``freezing`` folds the weights in as constants and prepacks them for oneDNN, which is where
-most of the speed comes from on CPU (README "Speed"), and the layers' small ops (norms,
+most of the speed comes from on CPU (docs/speed.md), and the layers' small ops (norms,
 rotary, residual adds, SiLU) fuse into a few loops. Batch 1 is compiled separately with
 max-autotune, which picks Inductor's C++ GEMM template per weight shape where it beats
 ATen: at one row every GEMM is a weight read, and the template streams the weights at
@@ -14,7 +14,7 @@ one graph serves every batch from 2 to ``--torch-compile-max-bs`` and batch 1 ge
 We chose this over padding to batch-size buckets because each bucket would be another full
 compile (over a minute each on 2 cores) and padding computes rows nobody asked for. Larger
 batches, and prefill, run eagerly. Frozen graphs hold oneDNN-packed weights, which torch's
-FX graph cache cannot pickle, so the compile is paid at every start (README "Speed").
+FX graph cache cannot pickle, so the compile is paid at every start (docs/speed.md).
 
 When: compiling takes two to three minutes on 2 cores, so at TP=1 it runs in a background
 thread at start-up while the server already answers with the eager step, and the scheduler
@@ -59,7 +59,7 @@ class CompiledDecode:
         self._compiled = torch.compile(model, dynamic=None, options=dict(_FREEZE))
         # Batch 1 is a pure weight read, where Inductor's C++ GEMM template (picked per
         # shape by max-autotune against ATen) streams the weights ~1.7x faster than ATen's
-        # matrix-vector path, on both dtypes (README "Speed").
+        # matrix-vector path, on both dtypes (docs/speed.md).
         self._compiled_one = torch.compile(model, dynamic=False, options=dict(_BATCH_ONE))
 
     @property

@@ -4,7 +4,7 @@ Prefill of many short prompts (evaluation harnesses scoring hundreds of ~64-toke
 prompts) is linear layers, LM head and small ops; measured on the in-process scheduler
 (benchmark/bench_scoring.py, bf16, 2 cores), the eager step spent ~9% in norms, rotary,
 SiLU and adds, one pass over memory each. Compiled, they fuse into a few loops: ~5% more
-tokens/s scoring prompts (README "Speed", "Evaluate the served model").
+tokens/s scoring prompts (docs/speed.md, "Evaluate the served model").
 
 What is compiled: each decoder layer's two halves around attention
 (``DecoderLayer.pre_attention``: residual add, norm, q/k/v projection, rotary;

@@ -12,7 +12,7 @@ device tensors and syncs nothing with the host, while ``torch_native`` builds ho
 metadata every step. Capture runs before the server reports ready, identically on every
 rank. After capturing, each graph is replayed once on a dummy batch and compared with the
 eager forward; any failure or mismatch disables CUDA graphs on every rank with a warning.
-Unverified on GPU hardware until a GPU run says otherwise (README "Speed").
+Unverified on GPU hardware until a GPU run says otherwise (docs/speed.md).
 """
 from __future__ import annotations
 

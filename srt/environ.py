@@ -141,7 +141,7 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
 
 
 def format_env_table() -> str:
-    """Plain-text table for ``--help`` (the README has the same table in Markdown)."""
+    """Plain-text table for ``--help`` (docs/operations.md has the same table in Markdown)."""
     lines = ["environment variables:"]
     for v in ALL_ENV_VARS:
         lines.append(f"  {v.name} ({v.type.__name__}, default {v.default!r})")

@@ -93,7 +93,7 @@ class ModelRunner:
             return False
         if args.enable_torch_compile:
             return True
-        # auto: measured faster on CPU at TP=1 (README "Speed"); CUDA graphs are not built
+        # auto: measured faster on CPU at TP=1 (docs/speed.md); CUDA graphs are not built
         # yet; torchao's quantized tensors took over 5 minutes to compile here.
         return (environ.GRAMSYNC_TORCH_COMPILE_AUTO.get() and self.device == "cpu"
                 and self.tp.is_single and not args.torchao_config)

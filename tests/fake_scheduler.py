@@ -15,7 +15,7 @@ import time
 
 import zmq
 
-from srt.managers.io_struct import (
+from srt.transport.io_struct import (
     FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, AbortReq, BatchTokenOut, FinishReason, PortArgs, SchedulerInfo, TokenizedGenerateReq,
 )
 

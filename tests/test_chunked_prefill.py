@@ -10,8 +10,8 @@ import json
 import pytest
 
 from sampling.sampling_params import SamplingParams
-from srt.managers.io_struct import AbortReq, LogprobRequest, TokenizedGenerateReq
-from srt.managers.scheduler import resolve_chunk_size
+from srt.transport.io_struct import AbortReq, LogprobRequest, TokenizedGenerateReq
+from srt.scheduler.scheduler import resolve_chunk_size
 from srt.server_args import ServerArgs
 from tests.test_scheduler import make_scheduler, req, run_until_done
 

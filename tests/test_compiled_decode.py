@@ -23,7 +23,7 @@ NEW_TOKENS = 24
 
 def _scheduler(model_dir, tokenizer, **kwargs):
     from distributed.parallel_state import SINGLE_RANK, RankInfo
-    from srt.managers.scheduler import Scheduler
+    from srt.scheduler.scheduler import Scheduler
     from srt.model_config import ModelConfig
     from srt.server_args import ServerArgs
 
@@ -34,7 +34,7 @@ def _scheduler(model_dir, tokenizer, **kwargs):
 
 def _greedy(sched, tokenizer, prompts, tag) -> dict[str, list[int]]:
     from sampling.sampling_params import SamplingParams
-    from srt.managers.io_struct import TokenizedGenerateReq
+    from srt.transport.io_struct import TokenizedGenerateReq
 
     params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
     reqs = [TokenizedGenerateReq(f"{tag}-{i}", tuple(tokenizer.apply_chat_template(
@@ -97,7 +97,7 @@ def test_batches_past_max_bs_run_eagerly(smollm2_dir, smollm2_tokenizer, schedul
 def _prompt_logprobs(sched, prompts: list[list[int]], tag: str) -> list[list[float]]:
     """Each prompt's token logprobs (prefill only: ``max_new_tokens`` 0)."""
     from sampling.sampling_params import SamplingParams
-    from srt.managers.io_struct import LogprobRequest, TokenizedGenerateReq
+    from srt.transport.io_struct import LogprobRequest, TokenizedGenerateReq
 
     params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 0})
     reqs = [TokenizedGenerateReq(f"{tag}-{i}", tuple(p), params, logprobs=LogprobRequest(top_n=1, start_len=0))

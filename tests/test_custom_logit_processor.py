@@ -19,9 +19,9 @@ from sampling.custom_logit_processor import (
 from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from sampling.sampling_params import SamplingParams
-from srt.managers.generate_input import GenerateReqInput, prepare_request
-from srt.managers.io_struct import SchedulerInfo
-from srt.managers.req import Req
+from srt.frontend.generate_input import GenerateReqInput, prepare_request
+from srt.transport.io_struct import SchedulerInfo
+from srt.scheduler.req import Req
 
 INFO = SchedulerInfo(max_total_num_tokens=4096, max_running_requests=8, context_len=8192,
                      vocab_size=10, eos_token_ids=(2,))

@@ -1,7 +1,7 @@
 """Incremental detokenization and stop-string trimming (frontend, no model)."""
 import pytest
 
-from srt.managers.detokenizer import DecodeState, trim_stop
+from srt.frontend.detokenizer import DecodeState, trim_stop
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -178,7 +178,7 @@ def test_world_size_one_creates_no_process_group():
 # -- a world of 4: tp=2 x dp=2 -----------------------------------------------------------
 def _sample_payload(dp_rank: int):
     from sampling.sampling_params import SamplingParams
-    from srt.managers.io_struct import AbortReq, FinishReason, TokenizedGenerateReq
+    from srt.transport.io_struct import AbortReq, FinishReason, TokenizedGenerateReq
 
     return [
         TokenizedGenerateReq(f"dp{dp_rank}-a", (1, 2, 3), SamplingParams.from_dict(

@@ -18,7 +18,7 @@ from constrained.llguidance_backend import GuidanceBackend
 from constrained.reasoner_grammar_backend import ReasonerGrammarObject
 from constrained.xgrammar_backend import JumpForwardTokenizer, XGrammarGrammarBackend
 from sampling.sampling_params import SamplingParams
-from srt.managers.io_struct import TokenizedGenerateReq
+from srt.transport.io_struct import TokenizedGenerateReq
 from test_scheduler import make_scheduler, run_until_done
 
 VOCAB = 49152
@@ -132,7 +132,7 @@ def test_seeded_sampling_with_fast_forward_is_reproducible(smollm2_dir, smollm2_
 
 def test_forced_tokens_count_in_penalties_and_positions(smollm2_dir, smollm2_tokenizer):
     from sampling.sampling_batch_info import SamplingBatchInfo
-    from srt.managers.req import Req
+    from srt.scheduler.req import Req
 
     params = SamplingParams.from_dict({"temperature": 1.0, "frequency_penalty": 1.0, "seed": 1})
     reqs = [Req(f"p{i}", (1, 2, 3), params, False, frozenset({0})) for i in range(2)]

@@ -1,4 +1,4 @@
-"""Graceful drain on SIGTERM (README "Graceful shutdown"), with REAL server processes on CPU.
+"""Graceful drain on SIGTERM (docs/multi-rank.md "Graceful shutdown"), with REAL server processes on CPU.
 
 The signal goes to the server's whole process group, as systemd, a container runtime or
 torchrun deliver it: the scheduler ranks get it too and must serve on while the frontend

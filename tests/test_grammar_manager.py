@@ -14,7 +14,7 @@ from constrained.xgrammar_backend import XGrammarGrammarBackend
 from distributed.grammar_agreement import agree_on_grammar_status
 from distributed.parallel_state import SINGLE_RANK, TPGroup
 from sampling.sampling_params import SamplingParams
-from srt.managers.io_struct import AbortReq, TokenizedGenerateReq
+from srt.transport.io_struct import AbortReq, TokenizedGenerateReq
 from test_scheduler import make_scheduler, run_until_done
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}

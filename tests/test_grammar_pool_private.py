@@ -197,7 +197,7 @@ def _unix_paths(proc: psutil.Process) -> list[str]:
 def test_pool_planted_at_the_old_path_gets_nothing(tmp_path, dirs, smollm2_dir, monkeypatch):
     import srt.entrypoints.engine as engine_mod
     from srt.entrypoints.engine import Engine
-    from srt.managers.io_struct import PortArgs
+    from srt.transport.io_struct import PortArgs
 
     port_args = PortArgs.new(1)  # the server's own, known in advance so the attacker can aim
     old_dir = _old_pool_dir(port_args.ready_ipc)  # the token the old server used

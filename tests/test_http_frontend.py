@@ -14,8 +14,8 @@ import uvicorn
 from fake_scheduler import ABORT_MAGIC, FakeScheduler
 from sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 from srt.entrypoints.http_server import create_app
-from srt.managers.io_struct import PortArgs, SchedulerInfo
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.transport.io_struct import PortArgs, SchedulerInfo
+from srt.frontend.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
 from srt.tokenizer_utils import apply_chat_template
 

@@ -150,8 +150,8 @@ def test_raw_mode_reports_the_model_distribution(smollm2_dir, smollm2_tokenizer,
     """--logprobs-mode raw_logprobs ignores penalties, masks and temperature."""
     from distributed.parallel_state import SINGLE_RANK, RankInfo
     from sampling.sampling_params import SamplingParams
-    from srt.managers.io_struct import LogprobRequest, TokenizedGenerateReq
-    from srt.managers.scheduler import Scheduler
+    from srt.transport.io_struct import LogprobRequest, TokenizedGenerateReq
+    from srt.scheduler.scheduler import Scheduler
     from srt.model_config import ModelConfig
     from srt.server_args import ServerArgs
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from constrained.grammar_metrics import GrammarMetrics
 from srt.entrypoints.http_server import create_app
-from srt.managers.io_struct import FRONTEND_INPUT_CODEC, FinishReason
+from srt.transport.io_struct import FRONTEND_INPUT_CODEC, FinishReason
 from srt.metrics.frontend import FrontendMetrics, create_frontend_metrics
 from srt.metrics.scheduler_reporter import SchedulerMetricsReporter
 from srt.server_args import ServerArgs

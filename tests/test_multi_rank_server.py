@@ -228,7 +228,7 @@ def dp2_server(tmp_path_factory, smollm2_dir):
 
 # ---- cheap unit tests ------------------------------------------------------------------
 def test_dp_dispatcher_round_robin():
-    from srt.managers.dp_dispatch import DPDispatcher
+    from srt.frontend.dp_dispatch import DPDispatcher
 
     d = DPDispatcher(3)
     assert [d.pick() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
@@ -240,7 +240,7 @@ def test_dp_dispatcher_round_robin():
 
 
 def test_dp_dispatcher_shortest_queue():
-    from srt.managers.dp_dispatch import DPDispatcher
+    from srt.frontend.dp_dispatch import DPDispatcher
 
     d = DPDispatcher(3, "shortest_queue")
     assert [d.pick() for _ in range(3)] == [0, 1, 2]  # ties: the lowest group
@@ -597,7 +597,7 @@ def test_startup_failure_names_the_rank(tmp_path, smollm2_dir):
 
 
 def test_dp_dispatcher_prefix_aware_follows_the_cache_within_the_load_slack():
-    from srt.managers.dp_dispatch import DPDispatcher
+    from srt.frontend.dp_dispatch import DPDispatcher
 
     d = DPDispatcher(2, "prefix_aware", balance_slack=1)
     chat = list(range(100, 140))

@@ -9,8 +9,8 @@ import uuid
 import jsonschema
 import pytest
 
-from srt.managers.samples import sample_seed, split_samples
-from srt.managers.io_struct import TokenizedGenerateReq
+from srt.frontend.samples import sample_seed, split_samples
+from srt.transport.io_struct import TokenizedGenerateReq
 from sampling.sampling_params import SamplingParams
 
 

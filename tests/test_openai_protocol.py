@@ -7,8 +7,8 @@ from sampling.sampling_params import SamplingParams
 from srt.entrypoints.openai_protocol import (
     ChatCompletionRequest, ChatMessage, CompletionRequest, error_body, validation_error_message,
 )
-from srt.managers.generate_input import prepare_request
-from srt.managers.io_struct import SchedulerInfo
+from srt.frontend.generate_input import prepare_request
+from srt.transport.io_struct import SchedulerInfo
 from srt.tokenizer_utils import apply_chat_template
 
 MSGS = [{"role": "user", "content": "hi"}]

@@ -182,7 +182,7 @@ def test_known_outlines_core_gap_continuing_after_a_complete_match(backend, smol
 
 def test_served_through_the_registry_and_scheduler(smollm2_dir, smollm2_tokenizer):
     from sampling.sampling_params import SamplingParams
-    from srt.managers.io_struct import TokenizedGenerateReq
+    from srt.transport.io_struct import TokenizedGenerateReq
     from srt.tokenizer_utils import apply_chat_template
     from test_scheduler import make_scheduler, run_until_done
 

@@ -18,7 +18,7 @@ from sampling.penaltylib.repetition_penalty import BatchedRepetitionPenalizer
 from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from sampling.sampling_params import SamplingParams
-from srt.managers.req import Req
+from srt.scheduler.req import Req
 
 V, EOS = 8, 7
 INF = float("inf")

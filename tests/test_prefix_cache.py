@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from srt.managers.io_struct import AbortReq, FlushCacheReq
+from srt.transport.io_struct import AbortReq, FlushCacheReq
 from tests.test_scheduler import make_scheduler, req, run_until_done
 
 SYSTEM = ("You are a careful assistant for a library. Answer in one short sentence, cite no "

@@ -13,9 +13,9 @@ import pytest
 import zmq
 
 from distributed.parallel_state import SINGLE_RANK, RankInfo
-from srt.managers.io_struct import SCHEDULER_INPUT_CODEC, AbortReq
-from srt.managers.request_receiver import RequestReceiver
-from srt.managers.zmq_transport import ZmqTransport
+from srt.transport.io_struct import SCHEDULER_INPUT_CODEC, AbortReq
+from srt.transport.request_receiver import RequestReceiver
+from srt.transport.zmq_transport import ZmqTransport
 
 GAP_MS = 150
 

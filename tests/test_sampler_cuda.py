@@ -7,7 +7,7 @@ from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from sampling.sampling_params import SamplingParams
 from sampling import flashinfer_backend
-from srt.managers.req import Req
+from srt.scheduler.req import Req
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

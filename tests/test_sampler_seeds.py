@@ -15,7 +15,7 @@ from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from sampling.sampling_params import SamplingParams
 from sampling.seeded_random import row_uniforms, seeded_uniform
-from srt.managers.req import Req
+from srt.scheduler.req import Req
 
 V = 1000
 STEPS = 30

@@ -21,7 +21,7 @@ import torch
 from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from sampling.sampling_params import SamplingParams
-from srt.managers.req import Req
+from srt.scheduler.req import Req
 
 P_REJECT = 1e-4
 

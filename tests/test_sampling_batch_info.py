@@ -17,9 +17,9 @@ from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from sampling.sampling_params import SamplingParams
 from distributed.parallel_state import SINGLE_RANK, RankInfo
-from srt.managers.io_struct import TokenizedGenerateReq
-from srt.managers.req import Req
-from srt.managers.scheduler import Scheduler
+from srt.transport.io_struct import TokenizedGenerateReq
+from srt.scheduler.req import Req
+from srt.scheduler.scheduler import Scheduler
 from srt.model_config import ModelConfig
 from srt.server_args import ServerArgs
 from test_custom_logit_processor import BoostTokens

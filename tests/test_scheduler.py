@@ -8,8 +8,8 @@ import torch
 from distributed.parallel_state import SINGLE_RANK, RankInfo
 from sampling.custom_logit_processor import CustomLogitProcessor
 from sampling.sampling_params import SamplingParams
-from srt.managers.io_struct import AbortReq, TokenizedGenerateReq
-from srt.managers.scheduler import Scheduler
+from srt.transport.io_struct import AbortReq, TokenizedGenerateReq
+from srt.scheduler.scheduler import Scheduler
 from srt.model_config import ModelConfig
 from srt.server_args import ServerArgs
 from srt.tokenizer_utils import apply_chat_template

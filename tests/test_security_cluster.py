@@ -24,8 +24,8 @@ from test_multi_rank_server import (
     _alive, _descendants, _free_port, _generate, _launch_cmd, _popen, _stop, _tail, _wait_healthy,
     _wait_until,
 )
-from srt.managers.io_struct import BatchTokenOut, FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, AbortReq
-from srt.managers.zmq_transport import ZmqTransport
+from srt.transport.io_struct import BatchTokenOut, FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, AbortReq
+from srt.transport.zmq_transport import ZmqTransport
 from srt.security.cluster_secret import CurveKeys
 
 SECRET = "security-test-secret-" + uuid.uuid4().hex

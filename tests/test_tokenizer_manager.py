@@ -6,8 +6,8 @@ import contextlib
 import pytest
 
 from fake_scheduler import FakeScheduler
-from srt.managers.io_struct import PortArgs, SchedulerInfo
-from srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
+from srt.transport.io_struct import PortArgs, SchedulerInfo
+from srt.frontend.tokenizer_manager import GenerateReqInput, TokenizerManager
 from srt.server_args import ServerArgs
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""A reported success is valid, for tool calls and structural tags too (README "Tool calling",
+"""A reported success is valid, for tool calls and structural tags too (docs/tools.md,
 "Structured outputs"): through the official ``openai`` client against the shared session
 servers (default backend ``auto``; embedded SmolLM2, greedy), at TP=1 and TP=2.
 

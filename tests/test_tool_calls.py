@@ -275,7 +275,7 @@ def test_parser_names_and_defaults():
 def test_scheduler_generates_a_whole_call_with_fast_forward(backend_name, smollm2_dir, smollm2_tokenizer):
     """The call's closing literal is forced (fast-forward) and must reach the output whole:
     llguidance takes all forced tokens at once and is already terminated after them."""
-    from srt.managers.io_struct import TokenizedGenerateReq
+    from srt.transport.io_struct import TokenizedGenerateReq
     from test_scheduler import make_scheduler, run_until_done
 
     tok = smollm2_tokenizer

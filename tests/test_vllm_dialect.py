@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from constrained.grammar_config import JSON_LAYOUT_KEY, GrammarBackendConfig, JsonOptions, split_json_layout
 from srt.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, validation_error_message
 from srt.entrypoints.vllm_dialect import close_object_schemas
-from srt.managers.generate_input import prepare_request
-from srt.managers.io_struct import SchedulerInfo
+from srt.frontend.generate_input import prepare_request
+from srt.transport.io_struct import SchedulerInfo
 
 MSGS = [{"role": "user", "content": "hi"}]
 INFO = SchedulerInfo(max_total_num_tokens=4096, max_running_requests=8, context_len=8192,

@@ -1,8 +1,8 @@
 """The ZMQ wire format and transport security (CPU only, no model, a few seconds).
 
-- srt/managers/wire.py: typed msgpack codecs round-trip every message and reject anything
+- srt/transport/wire.py: typed msgpack codecs round-trip every message and reject anything
   else (pickles, whose __reduce__ never runs; garbage; wrong types; truncations);
-- srt/managers/zmq_transport.py: CURVE over real TCP on 127.0.0.1 (only holders of the
+- srt/transport/zmq_transport.py: CURVE over real TCP on 127.0.0.1 (only holders of the
   cluster secret get messages through; refusals are counted), ipc:// in private dirs only;
 - srt/security/cluster_secret.py, constrained/schema_refs.py, srt/security/http_guard.py.
 """
@@ -24,8 +24,8 @@ import zmq
 from constrained.schema_refs import ExternalRefError, check_no_external_refs
 from sampling.sampling_params import SamplingParams
 from srt import environ
-from srt.managers import wire
-from srt.managers.io_struct import (
+from srt.transport import wire
+from srt.transport.io_struct import (
     FRONTEND_INPUT_CODEC,
     READY_CODEC,
     SCHEDULER_INPUT_CODEC,
@@ -37,8 +37,8 @@ from srt.managers.io_struct import (
     SchedulerInfo,
     TokenizedGenerateReq,
 )
-from srt.managers.wire import DropCounter, MessageCodec, WireError, recv_message
-from srt.managers.zmq_transport import ZmqTransport, check_private_dir
+from srt.transport.wire import DropCounter, MessageCodec, WireError, recv_message
+from srt.transport.zmq_transport import ZmqTransport, check_private_dir
 from srt.security.cluster_secret import (
     MIN_SECRET_CHARS,
     ClusterSecretError,
@@ -635,7 +635,7 @@ def test_scheduler_revalidates_requests_from_the_wire():
     scheduler: the entry rank's receiver re-validates it (and counts it as dropped)."""
     import dataclasses
 
-    from srt.managers.request_receiver import validate_request
+    from srt.transport.request_receiver import validate_request
 
     good = _request()
     validate_request(good, 49152)

@@ -17,7 +17,7 @@ from sampling.sampling_params import SamplingParams
 
 
 class PenalizedRequest(Protocol):
-    """What a penalizer reads from a request (``srt.managers.req.Req`` has these)."""
+    """What a penalizer reads from a request (``srt.scheduler.req.Req`` has these)."""
 
     sampling_params: SamplingParams
     origin_input_ids: list[int]

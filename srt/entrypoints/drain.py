@@ -1,4 +1,4 @@
-"""Graceful drain of the HTTP frontend (README "Graceful shutdown").
+"""Graceful drain of the HTTP frontend (docs/multi-rank.md "Graceful shutdown").
 
 SIGTERM: new requests (and /health) get 503 with ``SHUTTING_DOWN``; the requests already
 being served run on for up to ``--graceful-shutdown-timeout`` seconds; the rest are then

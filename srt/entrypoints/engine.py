@@ -8,7 +8,7 @@ import logging
 from typing import Any, Optional, Union
 
 from srt.entrypoints.launcher import launch_schedulers, new_port_args, prepare_server_args
-from srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
+from srt.frontend.tokenizer_manager import GenerateReqInput, TokenizerManager
 from srt.server_args import ServerArgs
 from srt.tokenizer_utils import get_tokenizer
 

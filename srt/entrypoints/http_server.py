@@ -18,7 +18,7 @@ from srt.entrypoints.drain import RANK_GONE, Drain, DrainGate
 from srt.entrypoints.http_common import error_response
 from srt.entrypoints.openai_serving import OpenAIServing
 from srt.entrypoints.routes import admin_router, metrics_router, native_router, openai_router
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.frontend.tokenizer_manager import TokenizerManager
 from srt.security.http_guard import HttpGuard, HttpGuardConfig, RequestTooLarge
 
 logger = logging.getLogger(__name__)

@@ -22,10 +22,10 @@ import zmq
 from distributed.parallel_state import RankInfo, local_world_ranks
 from distributed.process_groups import DistConfig
 from srt import environ
-from srt.managers.io_struct import READY_CODEC, PortArgs, RankReady, SchedulerInfo, free_port
-from srt.managers.scheduler_process import RankLaunch, run_scheduler_process
-from srt.managers.wire import DropCounter, recv_message
-from srt.managers.zmq_transport import transport_for
+from srt.transport.io_struct import READY_CODEC, PortArgs, RankReady, SchedulerInfo, free_port
+from srt.scheduler.scheduler_process import RankLaunch, run_scheduler_process
+from srt.transport.wire import DropCounter, recv_message
+from srt.transport.zmq_transport import transport_for
 from srt.model_loader import resolve_model_path
 from srt.server_args import ServerArgs
 
@@ -60,7 +60,7 @@ def new_port_args(server_args: ServerArgs, node0_host: Optional[str]) -> PortArg
     """IPC on one node; TCP on node 0's cluster address when ranks live on other nodes."""
     if server_args.nnodes == 1:
         return PortArgs.new(server_args.dp_size)
-    from srt.managers.cluster_address import node0_address
+    from srt.transport.cluster_address import node0_address
 
     return PortArgs.new(server_args.dp_size, node0_address(node0_host))
 
@@ -182,7 +182,7 @@ def run_worker_node(server_args: ServerArgs) -> int:
     one exits; then stop the others and return a non-zero code. SIGTERM: the ranks serve
     on while node 0's frontend drains; the node exits 0 once a rank has exited (node 0
     stopped) or --graceful-shutdown-timeout (plus a margin) has passed. SIGINT: at once."""
-    from srt.managers.scheduler_process import STOP_FALLBACK_MARGIN_S
+    from srt.scheduler.scheduler_process import STOP_FALLBACK_MARGIN_S
 
     procs = spawn_local_ranks(server_args, None, dist_config(server_args), defer_stop_signals=True)
     handles = SchedulerHandles(procs)

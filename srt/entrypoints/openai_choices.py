@@ -9,8 +9,8 @@ from typing import Any, AsyncIterator, Optional
 from srt.entrypoints.http_common import sse
 from srt.entrypoints.openai_protocol import error_body
 from srt.entrypoints.openai_responses import PromptTokensDetails, UsageInfo
-from srt.managers.samples import combine_usage
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.frontend.samples import combine_usage
+from srt.frontend.tokenizer_manager import TokenizerManager
 
 
 def _usage(meta: dict) -> UsageInfo:  # one output's meta_info, or combine_usage's counts
@@ -54,7 +54,7 @@ def _finish(fr: Optional[dict]) -> tuple[Optional[str], Any]:
 
 
 def structured_output(meta: dict) -> dict:
-    """A choice's structured-output fields (README): ``grammar`` (what served its json_schema)
+    """A choice's structured-output fields (docs/constrained.md): ``grammar`` (what served its json_schema)
     and ``schema_violation`` (finish_reason "schema_violation": the validator's message,
     keyword and paths). Empty until the request finishes."""
     fr, out = meta.get("finish_reason"), {}

@@ -27,7 +27,7 @@ from srt.entrypoints.openai_responses import CompletionChoice, CompletionRespons
 from srt.entrypoints.http_common import SSE_DONE, error_response, errors_as_events, sse
 from srt.entrypoints.openai_choices import ChoiceStream, _finish, choice_outputs, structured_output, usage_of
 from srt.entrypoints.openai_serving import OpenAIServing
-from srt.managers.samples import merge_samples
+from srt.frontend.samples import merge_samples
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from sampling.logprobs import MAX_TOP_LOGPROBS
 from srt.entrypoints.vllm_dialect import VllmDialectFields, request_constraint
 from srt.function_call.tools import check_tool_choice, check_tools
 from srt.entrypoints.openai_responses import ErrorDetail, ErrorResponse
-from srt.managers.generate_input import GenerateReqInput
+from srt.frontend.generate_input import GenerateReqInput
 
 # field -> predicate telling that its value is neutral (behaves as if absent).
 _NEUTRAL = {

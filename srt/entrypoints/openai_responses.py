@@ -59,7 +59,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     matched_stop: Optional[Union[int, str]] = None  # SGLang extension
-    # Structured outputs (README): what served the json_schema, and how its document broke it.
+    # Structured outputs (docs/constrained.md): what served the json_schema, and how its document broke it.
     grammar: Optional[dict] = Field(default=None, exclude_if=lambda v: v is None)
     schema_violation: Optional[dict] = Field(default=None, exclude_if=lambda v: v is None)
 
@@ -85,7 +85,7 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     matched_stop: Optional[Union[int, str]] = None
-    # Structured outputs (README): what served the json_schema, and how its document broke it.
+    # Structured outputs (docs/constrained.md): what served the json_schema, and how its document broke it.
     grammar: Optional[dict] = Field(default=None, exclude_if=lambda v: v is None)
     schema_violation: Optional[dict] = Field(default=None, exclude_if=lambda v: v is None)
 
@@ -105,7 +105,7 @@ class CompletionChoice(BaseModel):
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     matched_stop: Optional[Union[int, str]] = None
-    # Structured outputs (README): what served the json_schema, and how its document broke it.
+    # Structured outputs (docs/constrained.md): what served the json_schema, and how its document broke it.
     grammar: Optional[dict] = Field(default=None, exclude_if=lambda v: v is None)
     schema_violation: Optional[dict] = Field(default=None, exclude_if=lambda v: v is None)
 

@@ -22,8 +22,8 @@ from srt.entrypoints.openai_responses import (
     DeltaMessage,
 )
 from srt.function_call.serving import ToolCalling
-from srt.managers.generate_input import check_fits_context
-from srt.managers.tokenizer_manager import OFFLOOP_CHARS, TokenizerManager
+from srt.frontend.generate_input import check_fits_context
+from srt.frontend.tokenizer_manager import OFFLOOP_CHARS, TokenizerManager
 from srt.tokenizer_utils import apply_chat_template
 
 

@@ -53,7 +53,7 @@ def torchrun_server_args(server_args: ServerArgs) -> tuple[ServerArgs, RankInfo]
 
 def torchrun_main(server_args: ServerArgs) -> None:
     from srt.entrypoints.launcher import dist_config, new_port_args, prepare_server_args
-    from srt.managers.scheduler_process import RankLaunch, run_scheduler_process
+    from srt.scheduler.scheduler_process import RankLaunch, run_scheduler_process
 
     try:
         server_args, rank = torchrun_server_args(server_args)
@@ -110,7 +110,7 @@ def run_frontend(server_args: ServerArgs, port_args, parent_pid: int) -> None:
 
     from srt.entrypoints.http_server import _init_frontend_process, serve
     from srt.entrypoints.launcher import SchedulerHandles, wait_for_ranks
-    from srt.managers.zmq_transport import transport_for
+    from srt.transport.zmq_transport import transport_for
     from srt.process_utils import die_with_parent
 
     die_with_parent(signal.SIGTERM)

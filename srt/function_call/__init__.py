@@ -1,4 +1,4 @@
-"""OpenAI tool calling, constrained by grammar (README "Tool calling").
+"""OpenAI tool calling, constrained by grammar (docs/tools.md).
 
 formats.py   the call format (--tool-call-parser) and its system-prompt section
 tools.py     validation of tools / tool_choice, the resolved request

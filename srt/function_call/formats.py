@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
-# Hermes / Qwen2.5's system-prompt section, word for word (README "Tool calling"): models
+# Hermes / Qwen2.5's system-prompt section, word for word (docs/tools.md): models
 # trained on it call tools best when they see exactly this.
 HERMES_SYSTEM_PROMPT = """# Tools
 

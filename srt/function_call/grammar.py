@@ -10,7 +10,7 @@ style (the llguidance backend translates it, constrained/structural_tag_lark.py)
 Each call's arguments follow the function's parameters schema: exactly where a grammar
 library enforces every keyword (``function.strict`` demands it), else as closely as one
 can, and the frontend validates each completed call against the full schema
-(srt/managers/document_check.py). The part carries the function's name for messages.
+(srt/frontend/document_check.py). The part carries the function's name for messages.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ passes them: templates write them with ``tojson``) and ``role: "tool"`` messages
 are. A template without tools (the embedded SmolLM2's) gets the default format as text:
 the format's system-prompt section listing the tools, assistant calls written into the
 assistant's content, and tool results as a user turn wrapped in the format's result
-tags (consecutive results share one turn). README "Tool calling" documents both.
+tags (consecutive results share one turn). docs/tools.md documents both.
 """
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ class ToolCalling:
     @staticmethod
     def prompt_chars(messages: list[dict], template_kwargs: dict) -> int:
         """Characters certain to reach the prompt: message contents, the history's calls and
-        the tools list (README "Tool calling"): the pre-tokenize length check counts them all."""
+        the tools list (docs/tools.md): the pre-tokenize length check counts them all."""
         chars = 0
         for m in messages:
             chars += len(m["content"]) if isinstance(m.get("content"), str) else 0

@@ -22,7 +22,7 @@ from constrained.base_grammar_backend import InvalidGrammarObject
 from srt.grammar_pool.messages import RESULT_CODEC, TASK_CODEC, CompileRelease, CompileTask
 from srt.grammar_pool.private_dir import pool_endpoint_problem
 from srt.grammar_pool.worker import lowest_cpu_priority
-from srt.managers.wire import WireError
+from srt.transport.wire import WireError
 
 logger = logging.getLogger(__name__)
 _ids = itertools.count()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from srt.managers.wire import MessageCodec
+from srt.transport.wire import MessageCodec
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from srt.grammar_pool.messages import (RESULT_CODEC, TASK_CODEC, CompileRelease,
                                        CompileTask, WorkerReady)
 from srt.grammar_pool.private_dir import pool_dir_problem
 from srt.grammar_pool.worker import build_backend, lowest_cpu_priority, run_worker
-from srt.managers.wire import WireError
+from srt.transport.wire import WireError
 
 logger = logging.getLogger(__name__)
 Key = tuple[str, str]

@@ -29,7 +29,7 @@ class FrontendMetrics:
         self.schedulers = SchedulerMetricsCollector(model_name)
         self.registry.register(self.schedulers)
         self.model_name = model_name
-        # Structured outputs (README): per grammar backend, gramsync's own names.
+        # Structured outputs (docs/constrained.md): per grammar backend, gramsync's own names.
         labels = ("model_name", "backend")
         self.approximated = Counter("gramsync:grammar_approximated_requests_total", "json_schema requests "
                                     "served by an approximate grammar (their documents are validated).",

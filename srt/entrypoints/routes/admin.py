@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from srt.entrypoints.http_common import error_response, read_json
-from srt.managers.tokenizer_manager import TokenizerManager
+from srt.frontend.tokenizer_manager import TokenizerManager
 from srt.version import __version__
 
 
@@ -24,7 +24,7 @@ async def server_info(request: Request) -> JSONResponse:
         "num_aborted_requests": t.num_aborted,
         "num_dropped_messages": t.recv_drops.count,
         "num_refused_handshakes": t.transport.refused_handshakes,
-        # Documents of approximate grammars checked against their schema (README).
+        # Documents of approximate grammars checked against their schema (docs/constrained.md).
         "schema_validation": dataclasses.asdict(t.documents.validators.stats),
         "version": __version__,
     })

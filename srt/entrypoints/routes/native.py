@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from srt.entrypoints.http_common import (
     SSE_DONE, abort_error, error_response, errors_as_events, last_output_or_disconnect, read_json, sse,
 )
-from srt.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
+from srt.frontend.tokenizer_manager import GenerateReqInput, TokenizerManager
 
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 

@@ -19,10 +19,10 @@ import torch
 from distributed.token_agreement import agree_on_sampled_ids
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt.forward_batch import ForwardBatch, ForwardMode
-from srt.managers.io_struct import FinishReason
-from srt.managers.logprob_tracker import (PromptLogprobRows, logprob_rows, plan_prompt_logprobs,
+from srt.transport.io_struct import FinishReason
+from srt.scheduler.logprob_tracker import (PromptLogprobRows, logprob_rows, plan_prompt_logprobs,
                                           record_output_logprobs, record_prompt_logprobs)
-from srt.managers.req import Req
+from srt.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
 

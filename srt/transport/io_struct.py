@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from constrained.schema_coverage import GrammarReport
 from sampling.sampling_params import SamplingParams
-from srt.managers.wire import MessageCodec
+from srt.transport.wire import MessageCodec
 from srt.metrics.messages import SchedulerMetrics  # --enable-metrics: entry rank -> frontend
 
 

@@ -5,7 +5,7 @@ import time
 from typing import Optional
 
 from sampling.sampling_params import SamplingParams
-from srt.managers.io_struct import FinishReason, LogprobRequest
+from srt.transport.io_struct import FinishReason, LogprobRequest
 
 
 class Req:

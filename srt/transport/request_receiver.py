@@ -15,11 +15,11 @@ import zmq
 from distributed.broadcast import broadcast_pyobj
 from distributed.parallel_state import RankInfo, TPGroup
 from srt import environ
-from srt.managers.io_struct import (
+from srt.transport.io_struct import (
     FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, TCP_ANY_PORT, TokenizedGenerateReq,
 )
-from srt.managers.wire import DropCounter, recv_message
-from srt.managers.zmq_transport import ZmqTransport
+from srt.transport.wire import DropCounter, recv_message
+from srt.transport.zmq_transport import ZmqTransport
 
 
 class RequestReceiver:

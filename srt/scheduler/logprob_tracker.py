@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from sampling.logprobs import chosen_and_top, model_chosen_and_top
-from srt.managers.io_struct import TokenLogprobs
-from srt.managers.req import Req
+from srt.transport.io_struct import TokenLogprobs
+from srt.scheduler.req import Req
 
 
 @dataclass

@@ -18,18 +18,18 @@ import zmq
 
 from constrained.reasoner_grammar_backend import THINK_END_TOKENS
 from constrained.schema_coverage import GrammarReport
-from srt.managers.detokenizer import DecodeState
-from srt.managers.document_check import DocumentChecker
-from srt.managers.logprob_output import LogprobAccumulator
-from srt.managers.samples import merge_samples, split_samples
-from srt.managers.dp_dispatch import DPDispatcher
-from srt.managers.generate_input import GenerateReqInput, prepare_request
-from srt.managers.io_struct import (
+from srt.frontend.detokenizer import DecodeState
+from srt.frontend.document_check import DocumentChecker
+from srt.frontend.logprob_output import LogprobAccumulator
+from srt.frontend.samples import merge_samples, split_samples
+from srt.frontend.dp_dispatch import DPDispatcher
+from srt.frontend.generate_input import GenerateReqInput, prepare_request
+from srt.transport.io_struct import (
     FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, AbortReq, FinishReason, FlushCacheOut, FlushCacheReq, PortArgs, SchedulerInfo,
     TokenizedGenerateReq,
 )
-from srt.managers.wire import DropCounter, recv_message_async
-from srt.managers.zmq_transport import transport_for
+from srt.transport.wire import DropCounter, recv_message_async
+from srt.transport.zmq_transport import transport_for
 from srt.process_utils import lowest_cpu_priority
 from srt.metrics.frontend import create_frontend_metrics
 from srt.metrics.messages import SchedulerMetrics
@@ -301,7 +301,7 @@ class TokenizerManager:
             fr = reason.to_json()
             if reason.type == "abort":
                 fr["status_code"] = reason.status_code  # SGLang includes it too
-            if state.violation is not None:  # never reported as a success (README)
+            if state.violation is not None:  # never reported as a success (docs/constrained.md)
                 fr = {"type": "schema_violation", "matched": fr.get("matched"), **state.violation}
         out = {
             "text": state.decode.visible_text(reason is not None, matched),

@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 from typing import AsyncIterator, Callable, Optional
 
-from srt.managers.io_struct import TokenizedGenerateReq
+from srt.transport.io_struct import TokenizedGenerateReq
 
 _SEED_MASK = 2**63 - 1
 

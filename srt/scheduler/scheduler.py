@@ -22,15 +22,15 @@ from distributed.parallel_state import RankInfo, TPGroup
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
 from srt.forward_batch import ForwardMode
-from srt.managers.batch_log import BatchLog
-from srt.managers.batch_step import BatchStepMixin
-from srt.managers.logprob_tracker import take_logprob_deltas
-from srt.managers.io_struct import (AbortReq, BatchTokenOut, FinishReason, FlushCacheOut, FlushCacheReq,
+from srt.scheduler.batch_log import BatchLog
+from srt.scheduler.batch_step import BatchStepMixin
+from srt.scheduler.logprob_tracker import take_logprob_deltas
+from srt.transport.io_struct import (AbortReq, BatchTokenOut, FinishReason, FlushCacheOut, FlushCacheReq,
                                    TokenizedGenerateReq)
-from srt.managers.req import Req
-from srt.managers.schedule_batch import KVCacheManager
-from srt.managers.schedule_policy import PrefillAdder
-from srt.managers.step_stats import StatsCounter, StepStats
+from srt.scheduler.req import Req
+from srt.scheduler.kv_cache_manager import KVCacheManager
+from srt.scheduler.schedule_policy import PrefillAdder
+from srt.scheduler.step_stats import StatsCounter, StepStats
 from srt.mem_cache.radix_cache import RadixCache
 from srt.metrics.scheduler_reporter import SchedulerMetricsReporter
 from srt.model_config import ModelConfig
@@ -339,7 +339,7 @@ def grammar_polling() -> GrammarPolling:
 
 
 def resolve_chunk_size(configured: Optional[int], device: str) -> Optional[int]:
-    """--chunked-prefill-size: None -> the device's default (README "Chunked prefill"),
+    """--chunked-prefill-size: None -> the device's default (docs/speed.md "Chunked prefill"),
     -1 -> no chunking."""
     if configured is None:
         return 256 if device == "cpu" else 8192

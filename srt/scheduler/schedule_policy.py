@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Optional
 
-from srt.managers.req import Req
+from srt.scheduler.req import Req
 
 
 class PrefillAdder:
@@ -23,7 +23,7 @@ class PrefillAdder:
         self.max_prefill_tokens = max_prefill_tokens
         # None: no chunking. Chunks bound how long running requests wait for their next
         # token; with none running they protect nobody, so a step may take a whole prefill
-        # budget (prompt scoring: 4x fewer, larger steps, README "Chunked prefill").
+        # budget (prompt scoring: 4x fewer, larger steps, docs/speed.md "Chunked prefill").
         if chunk_size is not None and not running:
             chunk_size = max(chunk_size, max_prefill_tokens)
         self.chunk_size = chunk_size

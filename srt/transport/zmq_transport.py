@@ -21,7 +21,7 @@ from typing import Optional
 import zmq
 import zmq.asyncio
 
-from srt.managers.wire import MAX_MESSAGE_BYTES
+from srt.transport.wire import MAX_MESSAGE_BYTES
 from srt.security.cluster_secret import CurveKeys, require_secret
 from srt.security.private_dir import private_dir_problem
 

@@ -12,7 +12,7 @@ from constrained.grammar_manager import DISABLED_MESSAGE
 from sampling.custom_logit_processor import validate_custom_logit_processor
 from sampling.sampling_params import SamplingParams
 from sampling.logprobs import MAX_TOP_LOGPROBS
-from srt.managers.io_struct import LogprobRequest, SchedulerInfo, TokenizedGenerateReq
+from srt.transport.io_struct import LogprobRequest, SchedulerInfo, TokenizedGenerateReq
 
 
 @dataclass

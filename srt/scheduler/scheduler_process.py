@@ -21,15 +21,15 @@ import zmq
 
 from distributed.parallel_state import RankInfo
 from distributed.process_groups import DistConfig
-from srt.managers.io_struct import READY_CODEC, PortArgs, RankReady, SchedulerInfo
+from srt.transport.io_struct import READY_CODEC, PortArgs, RankReady, SchedulerInfo
 from srt.server_args import ServerArgs
 
 if TYPE_CHECKING:  # imported at run time only inside the rank process (heavy)
     from distributed.parallel_state import TPGroup
-    from srt.managers.request_receiver import OutputSender, RequestReceiver
-    from srt.managers.scheduler import Scheduler
-    from srt.managers.watchdog import Watchdog
-    from srt.managers.zmq_transport import ZmqTransport
+    from srt.transport.request_receiver import OutputSender, RequestReceiver
+    from srt.scheduler.scheduler import Scheduler
+    from srt.scheduler.watchdog import Watchdog
+    from srt.transport.zmq_transport import ZmqTransport
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def run_scheduler_process(launch: RankLaunch) -> None:
     _setup_process(launch)
     rank = _start_rank(launch)  # exits 1 if the rank cannot start
     logger.info("scheduler ready (pid %d)", os.getpid())
-    from srt.managers.watchdog import Watchdog
+    from srt.scheduler.watchdog import Watchdog
 
     watchdog = Watchdog(rank.server_args.watchdog_timeout, launch.rank_info.log_prefix)
     watchdog.start()
@@ -102,9 +102,9 @@ class _StartedRank:
 # report it on. The helpers below import what they use again (a lookup by then).
 _RANK_MODULES = (
     "torch", "distributed.broadcast", "distributed.node_share", "distributed.process_groups",
-    "srt.grammar_pool.node_pool", "srt.managers.batch_log", "srt.managers.cluster_address",
-    "srt.managers.request_receiver", "srt.managers.zmq_transport", "srt.managers.scheduler",
-    "srt.managers.watchdog", "srt.model_config",
+    "srt.grammar_pool.node_pool", "srt.scheduler.batch_log", "srt.transport.cluster_address",
+    "srt.transport.request_receiver", "srt.transport.zmq_transport", "srt.scheduler.scheduler",
+    "srt.scheduler.watchdog", "srt.model_config",
 )
 
 
@@ -175,7 +175,7 @@ def _join_world(launch: RankLaunch) -> _JoinedWorld:
     from distributed.node_share import share_from_node_leader
     from distributed.process_groups import init_process_groups
     from srt.grammar_pool.node_pool import make_pool_dir
-    from srt.managers.zmq_transport import transport_for
+    from srt.transport.zmq_transport import transport_for
 
     rank_info, server_args = launch.rank_info, launch.server_args
     _configure_torch(server_args, rank_info)
@@ -196,10 +196,10 @@ def _build_scheduler(launch: RankLaunch, joined: _JoinedWorld) -> _StartedRank:
     from transformers import AutoTokenizer
 
     from srt.grammar_pool.node_pool import start_node_pool
-    from srt.managers.batch_log import BatchLog
-    from srt.managers.cluster_address import this_node_address
-    from srt.managers.request_receiver import OutputSender, RequestReceiver
-    from srt.managers.scheduler import Scheduler
+    from srt.scheduler.batch_log import BatchLog
+    from srt.transport.cluster_address import this_node_address
+    from srt.transport.request_receiver import OutputSender, RequestReceiver
+    from srt.scheduler.scheduler import Scheduler
     from srt.model_config import ModelConfig
 
     rank_info, server_args, port_args = launch.rank_info, joined.server_args, joined.port_args

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from srt.managers.io_struct import LogprobRequest, TokenLogprobs
+from srt.transport.io_struct import LogprobRequest, TokenLogprobs
 
 
 @dataclass

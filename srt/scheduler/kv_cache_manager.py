@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from srt.forward_batch import ForwardBatch, ForwardMode
-from srt.managers.req import Req
+from srt.scheduler.req import Req
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.mem_cache.radix_cache import RadixCache
 

@@ -1,0 +1,1 @@
+"""The HTTP process's side of a request: tokenizing, preparing, sending, detokenizing, checking."""

@@ -1,0 +1,1 @@
+"""The scheduler process: one per rank, the same loop on every rank (see docs)."""

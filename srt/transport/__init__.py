@@ -1,0 +1,1 @@
+"""Messages between the processes: the typed wire codec, ZMQ sockets, the scheduler's request receiver."""

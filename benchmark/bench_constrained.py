@@ -94,12 +94,13 @@ def run_once(sched, reqs, profiler=None) -> dict:
     sched.process_input_requests(reqs)
     while sched.grammar_manager.grammar_queue or sched.waiting:  # compile + prefill
         sched.step()
-    sched.mask_fill_seconds = sched.mask_fill_work_seconds = sched.mask_apply_seconds = 0.0
-    sched.mask_steps = 0
+    stats = sched.step_stats
+    stats.mask_fill_seconds = stats.mask_fill_work_seconds = stats.mask_apply_seconds = 0.0
+    stats.mask_steps = 0
     sched.step_stats.reset()
     live = list(sched.running)
     before = sum(len(r.output_ids) for r in live)
-    forced_before = sched.fast_forward_tokens
+    forced_before = sched.step_stats.fast_forward_tokens
     steps, start = 0, time.perf_counter()
     if profiler is not None:
         profiler.enable()
@@ -113,12 +114,12 @@ def run_once(sched, reqs, profiler=None) -> dict:
     phases = sched.step_stats.mode("DECODE").per_step_ms()
     while sched.has_work():
         sched.step()
-    masked = max(sched.mask_steps, 1)
+    masked = max(sched.step_stats.mask_steps, 1)
     return {"tok_s": tokens / elapsed, "step_ms": 1e3 * elapsed / max(steps, 1),
-            "fill_wait_ms": 1e3 * sched.mask_fill_seconds / masked,
-            "fill_work_ms": 1e3 * sched.mask_fill_work_seconds / masked,
-            "apply_ms": 1e3 * sched.mask_apply_seconds / masked,
-            "forced_pct": 100 * (sched.fast_forward_tokens - forced_before) / max(tokens, 1),
+            "fill_wait_ms": 1e3 * sched.step_stats.mask_fill_seconds / masked,
+            "fill_work_ms": 1e3 * sched.step_stats.mask_fill_work_seconds / masked,
+            "apply_ms": 1e3 * sched.step_stats.mask_apply_seconds / masked,
+            "forced_pct": 100 * (sched.step_stats.fast_forward_tokens - forced_before) / max(tokens, 1),
             **{f"{k}_ms": v for k, v in phases.items()}}
 
 

@@ -276,7 +276,7 @@ def _bench_decode(info, tp, args, barrier) -> dict:
         sched.step()
         assert not sched.has_work()
         return {"step": {n: statistics.median(v) for n, v in times.items()},
-                "token_steps": sched.token_agreement_steps, "token_mismatches": sched.token_mismatches,
+                "token_steps": sched.step_stats.token_agreement_steps, "token_mismatches": sched.step_stats.token_mismatches,
                 "dtype": str(sched.runner.dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
     finally:
         backend.shutdown()

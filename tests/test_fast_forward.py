@@ -110,7 +110,7 @@ def _run(smollm2_dir, tokenizer, backend: str, fast_forward: bool, tag: str, **p
 def test_greedy_output_same_with_and_without_fast_forward(backend, smollm2_dir, smollm2_tokenizer):
     plain, off = _run(smollm2_dir, smollm2_tokenizer, backend, False, "off")
     fast, on = _run(smollm2_dir, smollm2_tokenizer, backend, True, "on")
-    assert plain.fast_forward_tokens == 0 and fast.fast_forward_tokens >= 4 * 3  # 3 keys each
+    assert plain.step_stats.fast_forward_tokens == 0 and fast.step_stats.fast_forward_tokens >= 4 * 3  # 3 keys each
     for i in range(4):
         a, b = off[f"off{i}"], on[f"on{i}"]
         assert a["finish"].type == b["finish"].type == "stop"
@@ -123,7 +123,7 @@ def test_seeded_sampling_with_fast_forward_is_reproducible(smollm2_dir, smollm2_
     params = {"temperature": 0.9, "seed": 7, "frequency_penalty": 0.3}
     s1, a = _run(smollm2_dir, smollm2_tokenizer, "llguidance", True, "s", **params)
     s2, b = _run(smollm2_dir, smollm2_tokenizer, "llguidance", True, "s", **params)
-    assert s1.fast_forward_tokens > 0
+    assert s1.step_stats.fast_forward_tokens > 0
     assert {k: v["ids"] for k, v in a.items()} == {k: v["ids"] for k, v in b.items()}
     for v in a.values():
         if v["finish"].type == "stop":

@@ -30,7 +30,7 @@ from srt.transport.io_struct import (AbortReq, BatchTokenOut, FinishReason, Flus
 from srt.scheduler.req import Req
 from srt.scheduler.kv_cache_manager import KVCacheManager
 from srt.scheduler.schedule_policy import PrefillAdder
-from srt.scheduler.step_stats import StatsCounter, StepStats
+from srt.scheduler.step_stats import StepStats
 from srt.mem_cache.radix_cache import RadixCache
 from srt.metrics.scheduler_reporter import SchedulerMetricsReporter
 from srt.model_config import ModelConfig
@@ -42,14 +42,6 @@ Message = Union[TokenizedGenerateReq, AbortReq, FlushCacheReq]
 
 
 class Scheduler(BatchStepMixin):
-    # Counters benchmarks and tests read (and reset) here; they live in step_stats.
-    mask_fill_seconds = StatsCounter()
-    mask_fill_work_seconds = StatsCounter()
-    mask_apply_seconds = StatsCounter()
-    mask_steps = StatsCounter()
-    token_agreement_steps = StatsCounter()
-    token_mismatches = StatsCounter()
-    fast_forward_tokens = StatsCounter()
 
     def __init__(self, server_args: ServerArgs, rank_info: RankInfo, tp: TPGroup,
                  model_config: ModelConfig, tokenizer=None, batch_log: Optional[BatchLog] = None):

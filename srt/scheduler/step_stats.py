@@ -108,16 +108,3 @@ class StepStats:
         self.token_agreement_steps += 1
         self.token_mismatches += mismatches
 
-
-class StatsCounter:
-    """A ``Scheduler`` attribute that reads and writes the same-named ``StepStats`` counter
-    (benchmarks and tests read, and reset, the counters on the scheduler)."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj, owner=None):
-        return self if obj is None else getattr(obj.step_stats, self.name)
-
-    def __set__(self, obj, value) -> None:
-        setattr(obj.step_stats, self.name, value)

@@ -12,6 +12,9 @@ from typing import Callable
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
+# A rank that exits because another rank of its world is gone exits with this code, so
+# that its launcher names the rank that failed first, not the ones that followed it.
+PEER_LOST_EXIT_CODE = 3
 # Set once a deferred stop signal arrived (``defer_stop_signals``).
 _stop_requested = threading.Event()
 _on_stop_signal: list[Callable[[int], None]] = []

@@ -517,6 +517,42 @@ def test_torchrun_tp2_constrained_and_clean_stop(tmp_path, smollm2_dir):
 
 
 # ---- a rank dies -----------------------------------------------------------------------
+def _exit_with(code: int) -> None:
+    os._exit(code)
+
+
+def test_the_rank_that_failed_first_is_named(tmp_path):
+    """When one rank dies its peers follow within a poll interval (a peer that only lost
+    contact exits with PEER_LOST_EXIT_CODE), so the launcher can find several dead at once:
+    it names a rank killed by a signal first and a rank that only lost a peer last."""
+    import multiprocessing as mp
+
+    from srt.entrypoints.launcher import SchedulerHandles
+    from srt.process_utils import PEER_LOST_EXIT_CODE
+
+    ctx = mp.get_context("fork")
+    peer_lost = ctx.Process(target=_exit_with, args=(PEER_LOST_EXIT_CODE,), name="DP0_TP0")
+    crashed = ctx.Process(target=_exit_with, args=(1,), name="DP0_TP1")
+    killed = ctx.Process(target=time.sleep, args=(60,), name="DP0_TP2")
+    procs = [peer_lost, crashed, killed]
+    handles = SchedulerHandles(procs)
+    try:
+        for p in procs:
+            p.start()
+        assert handles.dead_rank() in (None, f"scheduler rank DP0_TP1 (pid {crashed.pid}) exited with code 1",
+                                       f"scheduler rank DP0_TP0 (pid {peer_lost.pid}) exited with code 3")
+        peer_lost.join(10)
+        assert handles.dead_rank() is not None
+        crashed.join(10)
+        assert handles.dead_rank() == f"scheduler rank DP0_TP1 (pid {crashed.pid}) exited with code 1"
+        killed.kill()
+        killed.join(10)
+        assert handles.dead_rank() == f"scheduler rank DP0_TP2 (pid {killed.pid}) exited with code -9"
+    finally:
+        handles.shutdown(timeout=10)
+    assert not any(p.is_alive() for p in procs)
+
+
 @pytest.mark.timeout(240)
 def test_killed_rank_stops_the_server(tmp_path, smollm2_dir):
     watchdog_timeout = 20

@@ -27,6 +27,7 @@ from srt.scheduler.scheduler_process import RankLaunch, run_scheduler_process
 from srt.transport.wire import DropCounter, recv_message
 from srt.transport.zmq_transport import transport_for
 from srt.model_loader import resolve_model_path
+from srt.process_utils import PEER_LOST_EXIT_CODE
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -77,10 +78,13 @@ class SchedulerHandles:
     _stopping: threading.Event = field(default_factory=threading.Event)
 
     def dead_rank(self) -> Optional[str]:
-        """A message naming the first rank that exited, or None if all are alive."""
-        for p in self.procs:
-            if not p.is_alive():
-                return f"scheduler rank {p.name} (pid {p.pid}) exited with code {p.exitcode}"
+        """A message naming the rank that exited first, or None if all are alive. When a
+        rank dies its peers follow within a poll interval, so several can be found dead
+        at once: a rank killed by a signal comes first, one that only lost a peer last."""
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            p = min(dead, key=lambda p: (p.exitcode >= 0, p.exitcode == PEER_LOST_EXIT_CODE))
+            return f"scheduler rank {p.name} (pid {p.pid}) exited with code {p.exitcode}"
         return self.extra_check() if self.extra_check else None
 
     def alive(self) -> bool:

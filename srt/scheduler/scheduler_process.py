@@ -230,14 +230,14 @@ def _exit_when_a_peer_is_lost(world: Any, server_args: ServerArgs) -> None:
     """A world cannot go on without any of its ranks: exit once one stops answering
     (cleanly when the server is stopping anyway)."""
     from distributed.peer_liveness import start_peer_liveness
-    from srt.process_utils import stop_requested
+    from srt.process_utils import PEER_LOST_EXIT_CODE, stop_requested
 
     def lost(reason: str) -> None:
         if stop_requested():  # the server is stopping: rank 0 is done draining
             logger.info("another rank of the world has stopped; exiting")
             os._exit(0)
         logger.error("lost contact with another rank of the world (%s); exiting", reason)
-        os._exit(1)
+        os._exit(PEER_LOST_EXIT_CODE)
 
     liveness_timeout = server_args.watchdog_timeout or server_args.dist_timeout
     start_peer_liveness(world, PEER_CHECK_INTERVAL_S, liveness_timeout, lost)

@@ -9,7 +9,9 @@ import json
 
 import llguidance as llg
 import llguidance.hf
-import llguidance.torch
+# llguidance.numpy, not llguidance.torch: the torch module wraps a helper we do not use in
+# torch.compile at import, which loads Inductor (~6 s of CPU at every start).
+import llguidance.numpy
 import torch
 
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject
@@ -58,8 +60,8 @@ class GuidanceMaskFiller:
         self.executor = llg.LLExecutor()
 
     def fill(self, grammars: list["GuidanceGrammar"], vocab_mask: torch.Tensor, rows: list[int]) -> None:
-        llguidance.torch.fill_next_token_bitmask_par(
-            self.executor, [(g.matcher, i) for g, i in zip(grammars, rows)], vocab_mask)
+        llguidance.numpy.fill_next_token_bitmask_par(
+            self.executor, [(g.matcher, i) for g, i in zip(grammars, rows)], vocab_mask.numpy())
 
 
 class GuidanceGrammar(BaseGrammarObject):
@@ -82,7 +84,7 @@ class GuidanceGrammar(BaseGrammarObject):
         return self.matcher.is_stopped()
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
-        llguidance.torch.fill_next_token_bitmask(self.matcher, vocab_mask, idx)
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, vocab_mask.numpy(), idx)
 
     def has_error(self) -> bool:
         return self.matcher.is_error()

@@ -58,8 +58,9 @@ GRAMSYNC_CACHE_DIR = EnvVar(
     "Where converted GGUF checkpoints are cached (Hugging Face format).",
 )
 GRAMSYNC_SCHEDULER_IDLE_WAIT = EnvVar(
-    "GRAMSYNC_SCHEDULER_IDLE_WAIT", float, 0.01,
-    "Seconds an idle entry rank blocks waiting for new requests before looping.",
+    "GRAMSYNC_SCHEDULER_IDLE_WAIT", float, 0.1,
+    "Seconds an idle entry rank blocks waiting for new requests before looping (a request "
+    "wakes it at once; each idle loop at TP > 1 is a broadcast to every rank).",
 )
 GRAMSYNC_SCHEDULER_BATCH_WAIT = EnvVar(
     "GRAMSYNC_SCHEDULER_BATCH_WAIT", float, 0.03,

@@ -42,7 +42,6 @@ Message = Union[TokenizedGenerateReq, AbortReq, FlushCacheReq]
 
 
 class Scheduler(BatchStepMixin):
-
     def __init__(self, server_args: ServerArgs, rank_info: RankInfo, tp: TPGroup,
                  model_config: ModelConfig, tokenizer=None, batch_log: Optional[BatchLog] = None):
         self.server_args = server_args

@@ -41,6 +41,17 @@ def _check_dir(path: str) -> None:
         raise FileNotFoundError(f"No *.safetensors weight files in model directory {path!r}{extra}")
 
 
+def _apply_overrides(hf, overrides: dict) -> None:
+    for key, value in overrides.items():
+        if not hasattr(hf, key):  # a typo would otherwise be ignored silently
+            raise ValueError(f"--json-model-override-args: {key!r} is not a field of the model's "
+                             f"config ({type(hf).__name__})")
+        setattr(hf, key, value)
+    layers = getattr(hf, "num_hidden_layers", None)
+    if "num_hidden_layers" in overrides and not (isinstance(layers, int) and layers >= 1):
+        raise ValueError(f"--json-model-override-args: num_hidden_layers must be a positive integer, got {layers!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_path: str
@@ -59,15 +70,21 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
     dtype: Optional[str] = None  # the checkpoint's dtype, informational
+    # Fewer layers than the checkpoint's (--json-model-override-args): the loader skips the rest.
+    layers_truncated: bool = False
 
     @classmethod
-    def from_path(cls, path: str, context_length: Optional[int] = None) -> "ModelConfig":
-        """Read ``path/config.json`` (and ``generation_config.json``); validate the architecture."""
+    def from_path(cls, path: str, context_length: Optional[int] = None,
+                  overrides: Optional[dict] = None) -> "ModelConfig":
+        """Read ``path/config.json`` (and ``generation_config.json``); validate the architecture.
+        ``overrides`` (``--json-model-override-args``) replace fields of the config."""
         from transformers import AutoConfig
 
         path = os.path.abspath(path)
         _check_dir(path)
         hf = AutoConfig.from_pretrained(path)
+        checkpoint_layers = hf.num_hidden_layers
+        _apply_overrides(hf, overrides or {})
         archs = list(getattr(hf, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -97,6 +114,7 @@ class ModelConfig:
             eos_token_ids=tuple(dict.fromkeys(eos)),  # de-duplicated, order kept
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             dtype=str(getattr(hf, "dtype", None) or "").removeprefix("torch.") or None,
+            layers_truncated=hf.num_hidden_layers < checkpoint_layers,
         )
 
     def padded_heads(self, tp_size: int) -> tuple[int, int]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
 import typing
 from dataclasses import dataclass, field
@@ -16,6 +17,19 @@ def _f(default, help: str, choices: Optional[Sequence] = None):
 TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
 
 
+def parse_model_overrides(text: Optional[str]) -> dict:
+    """``--json-model-override-args`` as a dict; ValueError unless it is a JSON object."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--json-model-override-args is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--json-model-override-args must be a JSON object of config fields")
+    return value
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     # Model and tokenizer
@@ -24,6 +38,7 @@ class ServerArgs:
     served_model_name: Optional[str] = _f(None, "Model name reported by /v1/models (default: derived from the path).")
     chat_template: Optional[str] = _f(None, "Jinja chat template file overriding the tokenizer's.")
     context_length: Optional[int] = _f(None, "Maximum context length (default: from the model config).")
+    json_model_override_args: Optional[str] = _f(None, "A JSON object of model config fields to override (SGLang's flag), e.g. '{\"num_hidden_layers\": 4}' serves the checkpoint's first 4 layers (tests, debugging).")
     dtype: str = _f("auto", "Weight and activation dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 (AVX512-BF16/AMX), else float32).", ["auto", "float32", "float16", "bfloat16"])
     device: str = _f("auto", "cpu, cuda or auto.", ["auto", "cpu", "cuda"])
     # HTTP
@@ -96,6 +111,8 @@ class ServerArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--dist-init-addr must be host:port, got {self.dist_init_addr!r}")
+        if self.json_model_override_args is not None:
+            parse_model_overrides(self.json_model_override_args)  # a clear error now, not in a rank
         if self.dist_timeout <= 0 or self.watchdog_timeout < 0:
             raise ValueError("--dist-timeout must be positive and --watchdog-timeout at least 0")
         if self.graceful_shutdown_timeout < 0:

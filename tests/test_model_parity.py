@@ -256,6 +256,36 @@ def test_missing_files(tmp_path):
         resolve_model_path(str(tmp_path / "nope.gguf"))
 
 
+def test_json_model_override_args_serve_the_first_layers(tmp_path):
+    """``--json-model-override-args '{"num_hidden_layers": 1}'``: the checkpoint's first
+    layer only, with the same logits as transformers' model cut the same way."""
+    from transformers import AutoModelForCausalLM
+
+    from srt.server_args import ServerArgs, parse_model_overrides
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_tiny("llama-llama3-rope"), dtype=torch.float32).save_pretrained(tmp_path)
+    cfg = ModelConfig.from_path(str(tmp_path), None, parse_model_overrides('{"num_hidden_layers": 1}'))
+    assert cfg.num_hidden_layers == 1 and cfg.layers_truncated
+    assert not ModelConfig.from_path(str(tmp_path)).layers_truncated
+    ours = load_model(cfg, TPGroup(), torch.float32, "cpu")
+    assert len(ours.model.layers) == 1
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), num_hidden_layers=1, dtype=torch.float32).eval()
+    prompt = list(range(5, 17))
+    got = _Runner(ours, cfg, 1).step(ForwardMode.EXTEND, [prompt], [0])
+    with torch.no_grad():
+        want = ref(input_ids=torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="'num_hiden_layers' is not a field"):
+        ModelConfig.from_path(str(tmp_path), None, {"num_hiden_layers": 1})
+    with pytest.raises(ValueError, match="num_hidden_layers must be a positive integer"):
+        ModelConfig.from_path(str(tmp_path), None, {"num_hidden_layers": 0})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ServerArgs(json_model_override_args="{num_hidden_layers: 1}")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        ServerArgs(json_model_override_args="[1]")
+
+
 def test_embedded_model_missing_message(monkeypatch):
     import importlib.util
 

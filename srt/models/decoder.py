@@ -34,6 +34,12 @@ _STACKED = (
 )
 
 
+def _layer_index(name: str) -> int:
+    """The decoder layer a checkpoint tensor belongs to (``model.layers.<i>.``), else -1."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype):
         super().__init__()
@@ -177,6 +183,8 @@ class CausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # the same Parameter as embed_tokens
+            if self.config.layers_truncated and _layer_index(name) >= self.config.num_hidden_layers:
+                continue  # a layer cut off by --json-model-override-args
             shard_id = None
             for fused, hf_part, sid in _STACKED:
                 if f".{hf_part}." in name:

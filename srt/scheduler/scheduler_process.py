@@ -201,9 +201,11 @@ def _build_scheduler(launch: RankLaunch, joined: _JoinedWorld) -> _StartedRank:
     from srt.transport.request_receiver import OutputSender, RequestReceiver
     from srt.scheduler.scheduler import Scheduler
     from srt.model_config import ModelConfig
+    from srt.server_args import parse_model_overrides
 
     rank_info, server_args, port_args = launch.rank_info, joined.server_args, joined.port_args
-    model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length)
+    model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length,
+                                         parse_model_overrides(server_args.json_model_override_args))
     # Started before the model loads, so its workers warm up meanwhile.
     grammar_pool = start_node_pool(server_args, rank_info, joined.pool_dir,
                                    model_config.vocab_size, tuple(model_config.eos_token_ids))

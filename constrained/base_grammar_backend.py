@@ -9,7 +9,6 @@ requests for one key share one Future; they never decide a hit.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,6 +19,7 @@ import torch
 
 from constrained.bitmask_ops import allocate_token_bitmask, apply_token_bitmask_inplace
 from constrained.grammar_config import JSON_LAYOUT_KEY, json_layout
+from constrained.grammar_errors import clean_error  # noqa: F401  (re-exported)
 from constrained.grammar_metrics import GrammarMetrics
 from constrained.schema_coverage import StrictSchemaError, split_strict
 from constrained.schema_refs import check_no_external_refs
@@ -27,9 +27,6 @@ from constrained.schema_refs import check_no_external_refs
 logger = logging.getLogger(__name__)
 
 GrammarKey = tuple[str, str]  # (kind, normalized spec): kind in CONSTRAINT_FIELDS
-# xgrammar prefixes C++ errors with "[hh:mm:ss] /path/file.cc:123: ".
-_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-_MAX_ERROR_CHARS = 1000
 
 
 @dataclass
@@ -154,13 +151,6 @@ def allows_no_token(grammar: BaseGrammarObject, vocab_size: int) -> bool:
     mask = probe.allocate_vocab_mask(vocab_size, 1, "cpu")
     probe.fill_vocab_mask(mask, 0)
     return not bool(mask.any()) or probe.has_error()
-
-
-def clean_error(e: BaseException) -> str:
-    """A library exception as one readable line for the user's 400."""
-    text = _CPP_PREFIX.sub("", str(e).strip()) or type(e).__name__
-    text = " ".join(text.split())  # multi-line parser errors -> one line
-    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS] + " ..."
 
 
 class BaseGrammarBackend:

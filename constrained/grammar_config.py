@@ -6,6 +6,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+# Here, not beside their users (grammar_manager, reasoner_grammar_backend): the frontend
+# uses them too and does not import torch.
+THINK_END_TOKENS = {"qwen3": "</think>", "deepseek-r1": "</think>"}  # --reasoning-parser's
+DISABLED_MESSAGE = ("Constrained generation is disabled on this server (--grammar-backend none); "
+                    "remove the {kind} constraint or restart the server with a grammar backend.")
+
 
 @dataclass(frozen=True)
 class JsonOptions:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject, fresh_copy
 from constrained.schema_coverage import GrammarReport
+from constrained.grammar_config import DISABLED_MESSAGE
 from constrained.grammar_metrics import GrammarMetrics
 from distributed.grammar_agreement import agree_on_grammar_status
 from distributed.parallel_state import TPGroup
@@ -26,8 +27,6 @@ from distributed.parallel_state import TPGroup
 logger = logging.getLogger(__name__)
 TIMEOUT_MESSAGE = ("Grammar preprocessing timed out: the {kind} grammar was not compiled within "
                    "{polls} scheduler polls (SGLANG_GRAMMAR_MAX_POLL_ITERATIONS).")
-DISABLED_MESSAGE = ("Constrained generation is disabled on this server (--grammar-backend none); "
-                    "remove the {kind} constraint or restart the server with a grammar backend.")
 
 
 @dataclass(frozen=True)

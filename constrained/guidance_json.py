@@ -14,8 +14,8 @@ from typing import Any
 
 import llguidance as llg
 
-from constrained.base_grammar_backend import clean_error
 from constrained.grammar_config import JsonOptions, split_json_layout
+from constrained.grammar_errors import clean_error
 from constrained.json_number_bounds import LLGUIDANCE_BOUNDS, bound_numbers
 from constrained.json_one_of import exclusive_one_of
 from constrained.schema_coverage import STANDARD_FORMATS, Gap, keyword_gaps, schema_nodes

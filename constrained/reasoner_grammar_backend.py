@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, GrammarKey
-
-THINK_END_TOKENS = {"qwen3": "</think>", "deepseek-r1": "</think>"}
+from constrained.grammar_config import THINK_END_TOKENS
 
 
 class ReasonerGrammarObject(BaseGrammarObject):

@@ -10,9 +10,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-import torch.distributed as dist
-
 from distributed.parallel_state import SINGLE_RANK, RankInfo, TPGroup
 
 logger = logging.getLogger(__name__)
@@ -25,7 +22,7 @@ class DistConfig:
     # "file://PATH" (one node: a file in the private run directory), "tcp://host:port"
     # (several nodes: torch's TCPStore at --dist-init-addr) or "env://" (torchrun's store)
     init_method: str
-    device_backend: str  # "gloo" (CPU) or "nccl" (CUDA)
+    device_backend: str  # "gloo" (CPU), "nccl" (CUDA) or "auto" (nccl where CUDA is available)
     timeout_s: float  # rendezvous and every collective (gloo/NCCL raise past it)
 
 
@@ -38,7 +35,13 @@ def init_process_groups(rank: RankInfo, cfg: DistConfig) -> tuple[TPGroup, Optio
     """
     if rank.world_size == 1:
         return SINGLE_RANK, None
+    import torch  # here, not at the top: the frontend imports DistConfig without torch
+    import torch.distributed as dist
+
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    backend = cfg.device_backend
+    if backend == "auto":  # as ServerArgs.resolved_device decides the rank's device
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
     logger.info("%s joining world of %d ranks at %s (timeout %.0f s)", rank.log_prefix,
                 rank.world_size, cfg.init_method, cfg.timeout_s)
     dist.init_process_group("gloo", init_method=cfg.init_method, world_size=rank.world_size,
@@ -46,12 +49,12 @@ def init_process_groups(rank: RankInfo, cfg: DistConfig) -> tuple[TPGroup, Optio
     world = dist.group.WORLD
     if rank.tp_size == 1:
         return SINGLE_RANK, world
-    if cfg.device_backend == "nccl":  # NCCL binds each communicator to the current device
+    if backend == "nccl":  # NCCL binds each communicator to the current device
         torch.cuda.set_device(rank.local_rank)
     mine = None
     for dp in range(rank.dp_size):
         ranks = list(range(dp * rank.tp_size, (dp + 1) * rank.tp_size))
-        device = dist.new_group(ranks, timeout=timeout, backend=cfg.device_backend)
+        device = dist.new_group(ranks, timeout=timeout, backend=backend)
         # Separate even on CPU: control messages never queue behind tensor traffic.
         cpu = dist.new_group(ranks, timeout=timeout, backend="gloo")
         if dp == rank.dp_rank:
@@ -61,5 +64,7 @@ def init_process_groups(rank: RankInfo, cfg: DistConfig) -> tuple[TPGroup, Optio
 
 
 def destroy_process_groups() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -15,8 +15,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from sampling.sampling_params import MAX_TOP_LOGPROBS  # noqa: F401  (re-exported)
+
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs; ours for every API
 
 _MASKED = -1e38  # at or below: a masked token
 TopLogprobs = tuple[tuple[int, float], ...]

@@ -11,6 +11,8 @@ from constrained.json_input import load_json_text, lone_surrogate_path
 from constrained.schema_coverage import with_strict
 from constrained.schema_refs import check_no_external_refs
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs; ours for every API
+
 _GREEDY_EPS = 1e-6
 _MAX_SEED = 2**63 - 1
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it

@@ -18,13 +18,14 @@ import logging
 import os
 import shutil
 import time
-from typing import Iterator, Optional
-
-import torch
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from distributed.parallel_state import TPGroup
 from srt import environ
 from srt.model_config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported where used: the frontend resolves paths without it
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ def convert_gguf_cached(gguf_path: str) -> str:
 
 
 def _convert_gguf(gguf_path: str, out_dir: str) -> None:
+    import torch
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -150,9 +152,14 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_config: ModelConfig, tp: TPGroup = TPGroup(),
-               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Build the decoder on ``device`` and load this rank's shard of every weight."""
+               dtype: Optional[torch.dtype] = None, device: str | torch.device = "cpu"):
+    """Build the decoder on ``device`` and load this rank's shard of every weight
+    (``dtype``: float32 unless given)."""
+    import torch
+
     from srt.models.decoder import CausalLM
+
+    dtype = torch.float32 if dtype is None else dtype
 
     t0 = time.monotonic()
     with torch.device(device):

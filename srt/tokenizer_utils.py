@@ -1,8 +1,15 @@
-"""Tokenizer loading and chat templating for the frontend process (local files only)."""
+"""Tokenizer loading (every process: frontend, ranks, compile pool; local files only) and
+chat templating (the frontend)."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Optional, Sequence
+
+# tokenizer_config.json classes with no model-specific code: transformers builds them from
+# tokenizer.json alone, so they load without AutoTokenizer, which first scans every model
+# module of transformers (~3 s of CPU in each process that loads a tokenizer).
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def get_tokenizer(path: str, chat_template_path: Optional[str] = None):
@@ -11,21 +18,37 @@ def get_tokenizer(path: str, chat_template_path: Optional[str] = None):
     ``local_files_only`` because the server must never reach a model hub at run time.
     ``chat_template_path`` (``--chat-template``) replaces the tokenizer's own template.
     """
-    from transformers import AutoTokenizer
+    import transformers  # lazy: AutoTokenizer is imported only where it is used
 
     if path is None:
         raise ValueError("No tokenizer path given (resolve the model path first).")
-    if os.path.isfile(path) and path.endswith(".gguf"):
+    generic = None if os.path.isfile(path) else _generic_class(path)
+    if generic is not None:
+        tok = getattr(transformers, generic).from_pretrained(path, local_files_only=True)
+    elif os.path.isfile(path) and path.endswith(".gguf"):
         # Unconverted GGUF: transformers reads the tokenizer straight from the file.
-        tok = AutoTokenizer.from_pretrained(
+        tok = transformers.AutoTokenizer.from_pretrained(
             os.path.dirname(path) or ".", gguf_file=os.path.basename(path), local_files_only=True
         )
     else:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     if chat_template_path:
         with open(chat_template_path, encoding="utf-8") as f:
             tok.chat_template = f.read()
     return tok
+
+
+def _generic_class(path: str) -> Optional[str]:
+    """The tokenizer's class if the directory names a generic one and has tokenizer.json."""
+    config = os.path.join(path, "tokenizer_config.json")
+    if not (os.path.isfile(config) and os.path.isfile(os.path.join(path, "tokenizer.json"))):
+        return None
+    try:
+        with open(config, encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None  # AutoTokenizer reports what is wrong with the file
+    return name if name in _GENERIC_TOKENIZER_CLASSES else None
 
 
 def apply_chat_template(

@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 import threading
+from concurrent.futures import Future
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -80,7 +81,26 @@ def launch_server(server_args) -> None:
     server_args = prepare_server_args(server_args)
     host = (server_args.dist_init_addr or "").rpartition(":")[0] or None
     port_args = new_port_args(server_args, host)
-    serve(server_args, port_args, launch_schedulers(server_args, port_args, defer_stop_signals=True))
+    tokenizer = prefetch_tokenizer(server_args)
+    serve(server_args, port_args, launch_schedulers(server_args, port_args, defer_stop_signals=True),
+          tokenizer)
+
+
+def prefetch_tokenizer(server_args) -> Future:
+    """Load the frontend's tokenizer on a daemon thread while the ranks start: done after
+    them, it added ~3 s to every server start. ``serve`` takes the result (or the error)."""
+    from srt.tokenizer_utils import get_tokenizer
+
+    future: Future = Future()
+
+    def load() -> None:
+        try:
+            future.set_result(get_tokenizer(server_args.tokenizer_path or server_args.model_path,
+                                            server_args.chat_template))
+        except BaseException as e:  # raised again by serve, in the main thread
+            future.set_exception(e)
+    threading.Thread(target=load, daemon=True, name="tokenizer-load").start()
+    return future
 
 
 class _DrainingServer(uvicorn.Server):
@@ -118,17 +138,16 @@ def _init_frontend_process(server_args) -> None:
                         format="[%(asctime)s frontend] %(levelname)s %(name)s: %(message)s")
 
 
-def serve(server_args, port_args, handles) -> None:
+def serve(server_args, port_args, handles, tokenizer: Future) -> None:
     """Serve HTTP on top of ready scheduler ranks until stopped. A rank that dies takes the
     server down: this raises SystemExit naming the rank (exit code 1). SIGTERM drains
-    (srt/entrypoints/drain.py), then this returns."""
-    from srt.tokenizer_utils import get_tokenizer
-
+    (srt/entrypoints/drain.py), then this returns. ``tokenizer``: ``prefetch_tokenizer``'s."""
     tm = None
     failure: list[str] = []
+    if server_args.enable_custom_logit_processor:  # torch: loaded now, not on the first request
+        import sampling.custom_logit_processor  # noqa: F401
     try:
-        tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path,
-                                  server_args.chat_template)
+        tokenizer = tokenizer.result()
         tm = TokenizerManager(server_args, port_args, handles.info, tokenizer, handles.input_addrs)
         tm.scheduler_alive = handles.alive
         app = create_app(tm, server_args)

@@ -53,7 +53,8 @@ def dist_config(server_args: ServerArgs, init_method: Optional[str] = None,
     elif init_method is None:
         addr = server_args.dist_init_addr or f"127.0.0.1:{free_port()}"
         init_method = f"tcp://{addr}"
-    backend = "nccl" if server_args.resolved_device() == "cuda" else "gloo"
+    # "auto" is resolved by each rank (torch.cuda there): the launcher does not import torch.
+    backend = {"cuda": "nccl", "cpu": "gloo"}.get(server_args.device, "auto")
     return DistConfig(init_method, backend, server_args.dist_timeout)
 
 

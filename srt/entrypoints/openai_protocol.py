@@ -29,7 +29,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from constrained.schema_coverage import with_strict
-from sampling.logprobs import MAX_TOP_LOGPROBS
+from sampling.sampling_params import MAX_TOP_LOGPROBS
 from srt.entrypoints.vllm_dialect import VllmDialectFields, request_constraint
 from srt.function_call.tools import check_tool_choice, check_tools
 from srt.entrypoints.openai_responses import ErrorDetail, ErrorResponse

@@ -108,7 +108,7 @@ def run_frontend(server_args: ServerArgs, port_args, parent_pid: int) -> None:
 
     import zmq
 
-    from srt.entrypoints.http_server import _init_frontend_process, serve
+    from srt.entrypoints.http_server import _init_frontend_process, prefetch_tokenizer, serve
     from srt.entrypoints.launcher import SchedulerHandles, wait_for_ranks
     from srt.transport.zmq_transport import transport_for
     from srt.process_utils import die_with_parent
@@ -121,6 +121,7 @@ def run_frontend(server_args: ServerArgs, port_args, parent_pid: int) -> None:
             return "scheduler rank DP0_TP0 (the frontend's parent, torchrun rank 0) exited"
         return None
 
+    tokenizer = prefetch_tokenizer(server_args)
     handles = SchedulerHandles([], extra_check=parent_gone)
     transport = transport_for(port_args, server_args.cluster_secret_file, "launcher")
     ready, _ = transport.bind(zmq.PULL, port_args.ready_ipc)
@@ -130,4 +131,4 @@ def run_frontend(server_args: ServerArgs, port_args, parent_pid: int) -> None:
         sys.exit(f"gramsync: {e}")
     finally:
         transport.close()
-    serve(server_args, port_args, handles)
+    serve(server_args, port_args, handles, tokenizer)

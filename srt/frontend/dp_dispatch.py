@@ -15,10 +15,6 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import torch
-
-from srt.mem_cache.radix_cache import RadixCache
-
 
 class DPDispatcher:
     METHODS = ("round_robin", "shortest_queue", "prefix_aware")
@@ -32,8 +28,7 @@ class DPDispatcher:
         self._next = 0
         self.match_threshold, self.balance_slack = match_threshold, balance_slack
         self.max_tree_tokens = max_tree_tokens
-        self.trees = ([RadixCache(lambda slots: None, "cpu") for _ in range(dp_size)]
-                      if method == "prefix_aware" else [])
+        self.trees = _token_trees(dp_size) if method == "prefix_aware" else []
         self.groups: dict[str, tuple[int, int]] = {}  # group -> (its DP group, requests in flight)
         self.prefix_routed = 0  # requests sent where their prefix was (for metrics and tests)
 
@@ -71,7 +66,7 @@ class DPDispatcher:
         else:
             dp = shortest
         tree = self.trees[dp]
-        tree.insert(ids, torch.zeros(len(ids), dtype=torch.int64))
+        tree.insert(ids, tree.root.value.new_zeros(len(ids)))
         if tree.total_size() > self.max_tree_tokens:
             tree.evict(tree.total_size() - self.max_tree_tokens)
         return dp
@@ -84,3 +79,11 @@ class DPDispatcher:
                 self.groups[group] = (dp, count - 1)
             else:
                 del self.groups[group]
+
+
+def _token_trees(dp_size: int) -> list:
+    """One KV-less ``RadixCache`` per group. Imported here: the radix cache holds torch
+    tensors, and the frontend loads torch only when it routes by prefix."""
+    from srt.mem_cache.radix_cache import RadixCache
+
+    return [RadixCache(lambda slots: None, "cpu") for _ in range(dp_size)]

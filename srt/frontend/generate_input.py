@@ -8,10 +8,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from constrained.grammar_manager import DISABLED_MESSAGE
-from sampling.custom_logit_processor import validate_custom_logit_processor
-from sampling.sampling_params import SamplingParams
-from sampling.logprobs import MAX_TOP_LOGPROBS
+from constrained.grammar_config import DISABLED_MESSAGE
+from sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from srt.transport.io_struct import LogprobRequest, SchedulerInfo, TokenizedGenerateReq
 
 
@@ -115,6 +113,10 @@ def _check_server_policies(params: SamplingParams, vocab: int,
         if not enable_custom_logit_processor:
             raise ValueError("This server does not accept custom logit processors: start it "
                              "with --enable-custom-logit-processor to allow custom_logit_processor.")
+        # Imported here: it needs torch, which the frontend loads only on servers with
+        # --enable-custom-logit-processor (serve imports it at start there).
+        from sampling.custom_logit_processor import validate_custom_logit_processor
+
         validate_custom_logit_processor(params.custom_logit_processor, params.custom_params, vocab)
 
 

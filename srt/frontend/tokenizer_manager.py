@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import zmq
 
-from constrained.reasoner_grammar_backend import THINK_END_TOKENS
+from constrained.grammar_config import THINK_END_TOKENS
 from constrained.schema_coverage import GrammarReport
 from srt.frontend.detokenizer import DecodeState
 from srt.frontend.document_check import DocumentChecker

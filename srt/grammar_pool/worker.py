@@ -20,12 +20,11 @@ logger = logging.getLogger(__name__)
 
 def build_backend(config):
     """The rank's grammar backend, built from the pool's config (``service.PoolConfig``)."""
-    from transformers import AutoTokenizer
-
     from constrained.registry import create_grammar_backend
+    from srt.tokenizer_utils import get_tokenizer
 
     args = config.server_args
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+    tokenizer = get_tokenizer(args.tokenizer_path or args.model_path)
     return create_grammar_backend(args, tokenizer, config.vocab_size, config.eos_token_ids)
 
 

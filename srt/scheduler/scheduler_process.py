@@ -193,8 +193,6 @@ def _join_world(launch: RankLaunch) -> _JoinedWorld:
 
 def _build_scheduler(launch: RankLaunch, joined: _JoinedWorld) -> _StartedRank:
     """Load the model and tokenizer, build the scheduler and its request/output sockets."""
-    from transformers import AutoTokenizer
-
     from srt.grammar_pool.node_pool import start_node_pool
     from srt.scheduler.batch_log import BatchLog
     from srt.transport.cluster_address import this_node_address
@@ -202,6 +200,7 @@ def _build_scheduler(launch: RankLaunch, joined: _JoinedWorld) -> _StartedRank:
     from srt.scheduler.scheduler import Scheduler
     from srt.model_config import ModelConfig
     from srt.server_args import parse_model_overrides
+    from srt.tokenizer_utils import get_tokenizer
 
     rank_info, server_args, port_args = launch.rank_info, joined.server_args, joined.port_args
     model_config = ModelConfig.from_path(server_args.model_path, server_args.context_length,
@@ -209,7 +208,7 @@ def _build_scheduler(launch: RankLaunch, joined: _JoinedWorld) -> _StartedRank:
     # Started before the model loads, so its workers warm up meanwhile.
     grammar_pool = start_node_pool(server_args, rank_info, joined.pool_dir,
                                    model_config.vocab_size, tuple(model_config.eos_token_ids))
-    tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
+    tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path)
     batch_log = BatchLog.from_env(rank_info)
     scheduler = Scheduler(server_args, rank_info, joined.tp, model_config, tokenizer, batch_log)
     if grammar_pool is not None:

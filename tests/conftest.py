@@ -44,7 +44,7 @@ def smollm2_tokenizer(smollm2_dir):
 @pytest.fixture(scope="session")
 def fp32_engine(smollm2_dir):
     """An offline Engine (real scheduler process) in float32, shared by the modules that
-    compare against references (logprobs, n > 1)."""
+    compare against references (logprobs, n > 1, the TP=1 greedy ids of the multi-rank tests)."""
     from srt.entrypoints.engine import Engine
 
     with Engine(model_path=smollm2_dir, max_total_tokens=4096, max_running_requests=8,
@@ -107,7 +107,7 @@ def _wait_healthy(proc, base: str, log_path) -> bool:
                 return True
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)  # a start takes ~10 s: poll often, so no test waits on the poll
 
 
 @pytest.fixture(scope="session")

@@ -138,7 +138,7 @@ def _wait_healthy(proc: subprocess.Popen, base: str, log_path) -> None:
             pytest.fail(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
         if time.monotonic() > deadline:
             pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{_tail(log_path)}")
-        time.sleep(0.5)
+        time.sleep(0.1)
 
 
 def _tail(log_path, n: int = 4000) -> str:
@@ -204,14 +204,16 @@ FP32 = ["--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
-def tp1_ids(tmp_path_factory, smollm2_dir) -> list[list[int]]:
-    """The reference: greedy ids of PROMPTS from a TP=1 server (stopped right after)."""
-    server = _launch_server(tmp_path_factory, smollm2_dir, FP32)
-    base = next(server)
-    try:
-        return _greedy_ids(base)
-    finally:
-        server.close()  # runs _launch_server's cleanup: the process group is killed
+def tp1_ids(fp32_engine) -> list[list[int]]:
+    """The reference: greedy ids of PROMPTS at TP=1 in float32, one request at a time, from
+    the session's float32 Engine (the same scheduler a TP=1 server runs, without a server
+    of its own to start)."""
+    out = []
+    for prompt in PROMPTS:
+        res = fp32_engine.generate(prompt, dict(GREEDY))
+        assert res["meta_info"]["finish_reason"]["type"] in ("length", "stop"), res
+        out.append(res["output_ids"])
+    return out
 
 
 # tp2_server: session-scoped in conftest.py (test_fuzz_requests.py fuzzes the same server).

@@ -22,7 +22,7 @@ def get_tokenizer(path: str, chat_template_path: Optional[str] = None):
 
     if path is None:
         raise ValueError("No tokenizer path given (resolve the model path first).")
-    generic = None if os.path.isfile(path) else _generic_class(path)
+    generic = _generic_class(path)  # None for a file (.gguf) or a model-specific class
     if generic is not None:
         tok = getattr(transformers, generic).from_pretrained(path, local_files_only=True)
     elif os.path.isfile(path) and path.endswith(".gguf"):

@@ -19,6 +19,7 @@ from srt.compiled_prefill import CompiledPrefill
 from srt.cuda_graph_runner import CudaGraphRunner
 from srt.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention import create_attention_backend
+from srt.layers.cpu_packed_linear import pack_linear_weights
 from srt.layers.quantization import apply_torchao_config
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_config import ModelConfig
@@ -64,6 +65,8 @@ class ModelRunner:
         self.model = load_model(model_config, tp, self.dtype, self.device)
         if server_args.torchao_config:
             apply_torchao_config(self.model, server_args.torchao_config, self.device)
+        elif self.device == "cpu" and not self._want_compile() and environ.GRAMSYNC_CPU_PACKED_LINEAR.get():
+            pack_linear_weights(self.model, self.dtype, rank_info.log_prefix)
         # Every rank of the TP group must allocate identically: take the group's minimum.
         self.max_total_num_tokens = tp_min_int(self._profile_max_num_tokens(), tp)
         self.max_running_requests = server_args.max_running_requests

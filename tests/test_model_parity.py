@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from distributed.parallel_state import TPGroup
 from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.cpu_packed_linear import pack_linear_weights
 from srt.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                QKVParallelLinear, RowParallelLinear)
 from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -61,12 +62,15 @@ class _Runner:
 
 
 def _check_parity(model_dir: str, prompts: list[list[int]], dtype=torch.float32,
-                  rtol: float = RTOL) -> None:
-    """Our logits (in ``dtype``) against transformers' fp32 logits on the same sequences."""
+                  rtol: float = RTOL, packed: bool = False) -> None:
+    """Our logits (in ``dtype``) against transformers' fp32 logits on the same sequences;
+    ``packed``: through the oneDNN-packed linear layers (the eager CPU path of a server)."""
     from transformers import AutoModelForCausalLM
 
     cfg = ModelConfig.from_path(model_dir)
     ours = load_model(cfg, TPGroup(), dtype, "cpu")
+    if packed:
+        assert pack_linear_weights(ours, dtype, "[test]") == 4 * cfg.num_hidden_layers + 1
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     n = len(prompts)
     run = _Runner(ours, cfg, n, dtype=dtype)
@@ -124,9 +128,10 @@ def _tiny(kind: str):
     raise KeyError(kind)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "packed"])
 @pytest.mark.parametrize("kind", ["llama-llama3-rope", "llama-linear-rope-tied-bias", "qwen2",
                                   "qwen3-yarn", "mistral"])
-def test_tiny_model_parity(kind, tmp_path):
+def test_tiny_model_parity(kind, packed, tmp_path):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -140,10 +145,11 @@ def test_tiny_model_parity(kind, tmp_path):
     hf.save_pretrained(tmp_path)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 1, 21, 4, 14)]
-    _check_parity(str(tmp_path), prompts)
+    _check_parity(str(tmp_path), prompts, packed=packed)
 
 
-def test_smollm2_parity(smollm2_dir):
+@pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "packed"])
+def test_smollm2_parity(smollm2_dir, packed):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -152,7 +158,7 @@ def test_smollm2_parity(smollm2_dir):
              "Hi",
              "A long time ago in a galaxy far, far away, there lived a small robot who dreamed of "
              "becoming a poet. Every night it looked at the stars and"]
-    _check_parity(smollm2_dir, [tok(t)["input_ids"] for t in texts])
+    _check_parity(smollm2_dir, [tok(t)["input_ids"] for t in texts], packed=packed)
 
 
 def test_smollm2_bf16_close_to_fp32_reference(smollm2_dir):

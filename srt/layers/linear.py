@@ -19,6 +19,7 @@ from torch import nn
 
 from distributed.communication import tp_all_gather_last_dim, tp_all_reduce
 from distributed.parallel_state import TPGroup
+from srt.layers.cpu_packed_linear import packed_linear
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -50,6 +51,13 @@ class _TPLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.packed_weight: Optional[torch.Tensor] = None  # set by pack_linear_weights (CPU, eager)
+
+    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        # A compiled step traces F.linear: Inductor packs the weight its own way.
+        if self.packed_weight is not None and not torch.compiler.is_compiling():
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id=None) -> None:  # pragma: no cover - overridden
@@ -71,7 +79,7 @@ class ColumnParallelLinear(_TPLinear):
         _copy_checked(param.data, loaded_weight.narrow(0, self.tp.rank * n, n), "column")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self._linear(x, self.bias)
         return tp_all_gather_last_dim(y, self.tp) if self.gather_output else y
 
 
@@ -98,7 +106,7 @@ class RowParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = self._linear(x, bias)
         return tp_all_reduce(y, self.tp) if self.reduce_results else y
 
 

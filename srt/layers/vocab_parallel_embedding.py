@@ -13,6 +13,7 @@ from torch import nn
 
 from distributed.communication import tp_all_gather_last_dim, tp_all_reduce
 from distributed.parallel_state import TPGroup
+from srt.layers.cpu_packed_linear import packed_linear
 
 DEFAULT_VOCAB_PADDING = 64
 
@@ -67,11 +68,15 @@ class ParallelLMHead(VocabParallelEmbedding):
     With tied embeddings, :meth:`tie_to` shares the embedding's Parameter (same sharding).
     """
 
+    packed_weight: Optional[torch.Tensor] = None  # set by pack_linear_weights (CPU, eager)
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         assert embedding.num_embeddings_padded == self.num_embeddings_padded
         self.weight = embedding.weight
 
     def forward_local(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None and not torch.compiler.is_compiling():
+            return packed_linear(hidden_states, self.packed_weight, None)
         return F.linear(hidden_states, self.weight)
 
     def forward(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:

@@ -39,6 +39,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The layers' matmul: the packed weight when there is one, except while torch.compile
+    traces (Inductor packs the weight its own way, from the dense one)."""
+    if packed is not None and not torch.compiler.is_compiling():
+        return packed_linear(x, packed, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def pack_linear_weights(model: nn.Module, dtype: torch.dtype, log_prefix: str) -> int:
     """Give every linear layer and the LM head its weight packed. A linear layer's dense
     weight becomes a meta tensor (shape and dtype kept, no memory): only a compiled step or

@@ -14,12 +14,11 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from distributed.communication import tp_all_gather_last_dim, tp_all_reduce
 from distributed.parallel_state import TPGroup
-from srt.layers.cpu_packed_linear import packed_linear
+from srt.layers.cpu_packed_linear import linear
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -53,12 +52,6 @@ class _TPLinear(nn.Module):
             self.register_parameter("bias", None)
         self.packed_weight: Optional[torch.Tensor] = None  # set by pack_linear_weights (CPU, eager)
 
-    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        # A compiled step traces F.linear: Inductor packs the weight its own way.
-        if self.packed_weight is not None and not torch.compiler.is_compiling():
-            return packed_linear(x, self.packed_weight, bias)
-        return F.linear(x, self.weight, bias)
-
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
                       shard_id=None) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -79,7 +72,7 @@ class ColumnParallelLinear(_TPLinear):
         _copy_checked(param.data, loaded_weight.narrow(0, self.tp.rank * n, n), "column")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._linear(x, self.bias)
+        y = linear(x, self.weight, self.packed_weight, self.bias)
         return tp_all_gather_last_dim(y, self.tp) if self.gather_output else y
 
 
@@ -106,7 +99,7 @@ class RowParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        y = self._linear(x, bias)
+        y = linear(x, self.weight, self.packed_weight, bias)
         return tp_all_reduce(y, self.tp) if self.reduce_results else y
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from distributed.communication import tp_all_gather_last_dim, tp_all_reduce
 from distributed.parallel_state import TPGroup
-from srt.layers.cpu_packed_linear import packed_linear
+from srt.layers.cpu_packed_linear import linear
 
 DEFAULT_VOCAB_PADDING = 64
 
@@ -75,9 +75,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward_local(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None and not torch.compiler.is_compiling():
-            return packed_linear(hidden_states, self.packed_weight, None)
-        return F.linear(hidden_states, self.weight)
+        return linear(hidden_states, self.weight, self.packed_weight)
 
     def forward(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """``float32=False`` keeps the matmul's dtype (prompt-logprob rows: their

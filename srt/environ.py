@@ -116,7 +116,7 @@ GRAMSYNC_CLUSTER_SECRET = EnvVar(
 GRAMSYNC_CPU_PACKED_LINEAR = EnvVar(
     "GRAMSYNC_CPU_PACKED_LINEAR", bool, True,
     "On CPU, where the step is not compiled: pack the linear weights once for oneDNN "
-    "(faster than MKL at every batch size measured; rounding differs ~4e-6 relative). 0 keeps F.linear.",
+    "(decode steps 1.2-2.1x faster than MKL's F.linear; rounding differs ~4e-6 relative). 0 keeps F.linear.",
 )
 
 GRAMSYNC_TORCH_COMPILE_AUTO = EnvVar(

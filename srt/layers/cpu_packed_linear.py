@@ -4,8 +4,8 @@
 call and, on AMD CPUs, takes a generic path: at the few rows of a decode step it reads the
 weights at a third to a half of memory speed (SmolLM2's LM head, batch 4: 31 ms against
 9 ms packed). oneDNN's linear with a weight packed once at load (the op Inductor's
-``freezing`` emits for the compiled step) is faster at every row count measured, 1 to
-2,048 (docs/speed.md). The compiled step packs its own copy, so this serves only steps
+``freezing`` emits for the compiled step) was faster alone at every row count measured,
+1 to 2,048; a whole prefill step gains nothing measurable (docs/speed.md). The compiled step packs its own copy, so this serves only steps
 that run eagerly: compile off (``--disable-torch-compile``, TP > 1 on CPU, the test
 suite) and ``GRAMSYNC_CPU_PACKED_LINEAR`` not 0. Results differ from MKL's by rounding
 only (accumulation order; ~4e-6 relative in fp32).

@@ -178,14 +178,24 @@ def _old_pool_dir(token: str, node_rank: int = 0) -> str:
     return os.path.join(tempfile.gettempdir(), f"gramsync-grammar-{digest}-node{node_rank}")
 
 
-def _pool_service(parent: psutil.Process) -> psutil.Process:
+def _pool_services(parent: psutil.Process) -> dict[int, psutil.Process]:
+    """The compile pool services below ``parent``, by pid: those of the session's own Engine
+    (``fp32_engine``) or servers too, when they run."""
+    found = {}
     for p in parent.children(recursive=True):
         try:
             if "grammar_pool_node0" in " ".join(p.cmdline()):
-                return p
+                found[p.pid] = p
         except psutil.Error:
             pass
-    return None
+    return found
+
+
+def _new_pool_service(parent: psutil.Process, before: dict) -> psutil.Process:
+    """The one pool service that was not running before (None until it is)."""
+    new = [p for pid, p in _pool_services(parent).items() if pid not in before]
+    assert len(new) <= 1, f"more than one new pool service: {new}"
+    return new[0] if new else None
 
 
 def _unix_paths(proc: psutil.Process) -> list[str]:
@@ -209,11 +219,12 @@ def test_pool_planted_at_the_old_path_gets_nothing(tmp_path, dirs, smollm2_dir, 
         wait_for(count.exists, 60, "the planted socket")
         monkeypatch.setattr(engine_mod, "new_port_args", lambda *a: port_args)
         monkeypatch.setenv("GRAMSYNC_GRAMMAR_COMPILE_WORKERS", "1")
+        before = _pool_services(psutil.Process())  # a session-wide Engine's pool is not ours
         with Engine(model_path=smollm2_dir, grammar_backend="xgrammar", max_total_tokens=2048,
                     max_running_requests=4, log_level="warning", random_seed=0) as eng:
             out = eng.generate("Give me a person as JSON:", {
                 "json_schema": json.dumps(PERSON), "max_new_tokens": 48, "temperature": 0})
-            service = wait_for(lambda: _pool_service(psutil.Process()), 30, "the pool service")
+            service = wait_for(lambda: _new_pool_service(psutil.Process(), before), 30, "the pool service")
             bound = _unix_paths(service)
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
         jsonschema.validate(json.loads(out["text"]), PERSON)

@@ -11,7 +11,8 @@ def tp_all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Sum partial results of a row-parallel layer across the TP group (in place)."""
     if tp.is_single:
         return x
-    dist.all_reduce(x, group=tp.device_group)
+    if tp.shm is None or not tp.shm.all_reduce(x):
+        dist.all_reduce(x, group=tp.device_group)
     return x
 
 
@@ -19,6 +20,10 @@ def tp_all_gather_last_dim(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Concatenate each rank's shard along the last dim (vocab-parallel logits)."""
     if tp.is_single:
         return x
+    if tp.shm is not None:
+        gathered = tp.shm.all_gather_last_dim(x.contiguous())
+        if gathered is not None:
+            return gathered
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous(), group=tp.device_group)
     return torch.cat(parts, dim=-1)

@@ -81,6 +81,9 @@ class TPGroup:
     size: int = 1
     device_group: Optional[Any] = None
     cpu_group: Optional[Any] = None
+    # distributed.shm_collectives.ShmCollectives where the group's ranks share a CPU
+    # machine: the tensor collectives go through shared memory instead of gloo.
+    shm: Optional[Any] = None
 
     @property
     def is_single(self) -> bool:

@@ -5,6 +5,7 @@ order, so each rank walks all DP groups and keeps the one it belongs to.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ class DistConfig:
     init_method: str
     device_backend: str  # "gloo" (CPU), "nccl" (CUDA) or "auto" (nccl where CUDA is available)
     timeout_s: float  # rendezvous and every collective (gloo/NCCL raise past it)
+    # CPU TP groups on one machine reduce through shared memory (distributed/shm_collectives.py)
+    shm_collectives: bool = True
 
 
 def init_process_groups(rank: RankInfo, cfg: DistConfig) -> tuple[TPGroup, Optional[Any]]:
@@ -60,7 +63,21 @@ def init_process_groups(rank: RankInfo, cfg: DistConfig) -> tuple[TPGroup, Optio
         if dp == rank.dp_rank:
             mine = TPGroup(rank.tp_rank, rank.tp_size, device, cpu)
     assert mine is not None
+    if backend == "gloo" and _tp_group_on_one_node(rank):
+        from distributed.shm_collectives import create_shm_collectives
+
+        shm = create_shm_collectives(rank.tp_rank, rank.tp_size, mine.cpu_group, cfg.timeout_s,
+                                     cfg.shm_collectives, rank.log_prefix)
+        mine = dataclasses.replace(mine, shm=shm)
     return mine, world
+
+
+def _tp_group_on_one_node(rank: RankInfo) -> bool:
+    """Whether the layout puts this rank's whole TP group on one node (the same answer on
+    every rank of the group)."""
+    per_node = rank.world_size // rank.nnodes
+    first = rank.dp_rank * rank.tp_size
+    return first // per_node == (first + rank.tp_size - 1) // per_node
 
 
 def destroy_process_groups() -> None:

@@ -7,8 +7,8 @@ same numbers everywhere, so the ids already agree in practice; ``mismatches`` co
 rows where they did not, so that claim is measured, not assumed.
 
 Why this shape (benchmark/bench_grammar_sync.py times the alternatives): the device group,
-because the ids are on the device (NCCL on GPU, no copy; on CPU it is gloo, as fast as
-the CPU group); int64, the sampler's dtype (int32 measured no faster: at these sizes gloo
+because the ids are on the device (NCCL on GPU, no copy; on CPU shared memory where the
+group shares a machine, distributed/shm_collectives.py, else gloo, as fast as the CPU group); int64, the sampler's dtype (int32 measured no faster: at these sizes gloo
 pays per message, not per byte). An all_gather + local min (exact too) is no faster at
 TP=2 and slower for 1-2 ids; only with 4 ranks on 2 CPUs was it faster (half the ring
 steps, so fewer scheduler stalls): not adopted until measured with a core per rank.
@@ -32,5 +32,6 @@ def agree_on_sampled_ids(ids: torch.Tensor, tp: TPGroup) -> tuple[torch.Tensor, 
     if tp.is_single:
         return ids, 0
     agreed = ids.clone()
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=tp.device_group)
+    if tp.shm is None or not tp.shm.all_reduce(agreed, op="min"):
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=tp.device_group)
     return agreed, int((agreed != ids).sum().item())

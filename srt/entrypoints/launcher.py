@@ -55,7 +55,8 @@ def dist_config(server_args: ServerArgs, init_method: Optional[str] = None,
         init_method = f"tcp://{addr}"
     # "auto" is resolved by each rank (torch.cuda there): the launcher does not import torch.
     backend = {"cuda": "nccl", "cpu": "gloo"}.get(server_args.device, "auto")
-    return DistConfig(init_method, backend, server_args.dist_timeout)
+    return DistConfig(init_method, backend, server_args.dist_timeout,
+                      environ.GRAMSYNC_CPU_SHM_COLLECTIVES.get())
 
 
 def new_port_args(server_args: ServerArgs, node0_host: Optional[str]) -> PortArgs:

@@ -1,0 +1,157 @@
+"""The shared-memory TP collectives (distributed/shm_collectives.py) over real spawned
+ranks: the same bits as gloo for every op and dtype, correct under many back-to-back ops of
+changing shapes (the double buffer), gloo for what does not fit, agreement when one rank
+cannot or will not share memory, a timeout that names the missing rank, and nothing left
+in /dev/shm. The scheduler-level proof (TP=2 greedy ids equal TP=1, lock-step batch logs)
+is in test_multi_rank_server.py, whose servers use this path by default."""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from distributed.parallel_state import RankInfo, TPGroup
+from distributed.shm_collectives import SLOT_BYTES, shm_supported
+from test_distributed import run_world
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(not shm_supported(), reason="shared-memory collectives are x86-64 only")]
+
+
+def _tensor(rank: int, i: int, shape, dtype) -> torch.Tensor:
+    """What rank ``rank`` contributes to op ``i``: every rank can recompute anyone's."""
+    g = torch.Generator().manual_seed(1000 * i + rank)
+    if dtype == torch.int64:
+        return torch.randint(0, 50_000, shape, generator=g)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+SHAPES = [(1, 576), (3, 576), (64, 576), (1, 24576), (8, 24576)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _equal_to_gloo_worker(info: RankInfo, tp: TPGroup, world) -> dict:
+    import torch.distributed as dist
+
+    assert tp.shm is not None, "a one-machine CPU TP group should reduce through shared memory"
+    out = {"sum": [], "gather": [], "min": []}
+    for i, (shape, dtype) in enumerate((s, d) for s in SHAPES for d in DTYPES):
+        x = _tensor(info.tp_rank, i, shape, dtype)
+        via_gloo = x.clone()
+        dist.all_reduce(via_gloo, group=tp.device_group)
+        via_shm = x.clone()
+        assert tp.shm.all_reduce(via_shm)
+        out["sum"].append(torch.equal(via_gloo, via_shm))
+        parts = [torch.empty_like(x) for _ in range(tp.size)]
+        dist.all_gather(parts, x, group=tp.device_group)
+        out["gather"].append(torch.equal(torch.cat(parts, dim=-1), tp.shm.all_gather_last_dim(x)))
+    ids = _tensor(info.tp_rank, 99, (16,), torch.int64)
+    via_gloo = ids.clone()
+    dist.all_reduce(via_gloo, op=dist.ReduceOp.MIN, group=tp.device_group)
+    via_shm = ids.clone()
+    assert tp.shm.all_reduce(via_shm, op="min")
+    out["min"].append(torch.equal(via_gloo, via_shm))
+    return out
+
+
+def test_same_bits_as_gloo_for_every_op_and_dtype():
+    for rank, res in run_world(_equal_to_gloo_worker, 2, 1).items():
+        assert all(res["sum"]) and all(res["gather"]) and all(res["min"]), (rank, res)
+
+
+def _many_ops_worker(info: RankInfo, tp: TPGroup, world, n_ops: int) -> int:
+    """Back-to-back ops of changing shapes, each checked against the sum every rank can
+    compute itself: a slot overwritten before a peer read it would show here."""
+    from distributed.communication import tp_all_gather_last_dim, tp_all_reduce
+
+    wrong = 0
+    for i in range(n_ops):
+        shape = [(1, 576), (4, 576), (1, 1536), (2, 24576)][i % 4]
+        x = _tensor(info.tp_rank, i, shape, torch.float32)
+        if i % 5 == 4:
+            want = torch.cat([_tensor(r, i, shape, torch.float32) for r in range(tp.size)], dim=-1)
+            wrong += not torch.equal(tp_all_gather_last_dim(x, tp), want)
+        else:
+            want = _tensor(0, i, shape, torch.float32)
+            for r in range(1, tp.size):
+                want = want + _tensor(r, i, shape, torch.float32)
+            wrong += not torch.equal(tp_all_reduce(x, tp), want)
+    return wrong
+
+
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_back_to_back_ops_of_changing_shapes_stay_exact(tp_size):
+    assert run_world(_many_ops_worker, tp_size, 1, 400) == {r: 0 for r in range(tp_size)}
+
+
+def _oversize_worker(info: RankInfo, tp: TPGroup, world) -> tuple:
+    from distributed.communication import tp_all_reduce
+
+    big = torch.full((SLOT_BYTES // 4 + 1,), float(info.tp_rank + 1))
+    untouched = not tp.shm.all_reduce(big.clone()) and tp.shm.all_gather_last_dim(big) is None
+    summed = tp_all_reduce(big, tp)  # gloo takes it
+    return untouched, bool((summed == 3.0).all())
+
+
+def test_tensors_larger_than_a_slot_go_through_gloo():
+    assert run_world(_oversize_worker, 2, 1) == {0: (True, True), 1: (True, True)}
+
+
+def _agreement_worker(info: RankInfo, tp: TPGroup, world, unwilling_rank: int) -> tuple:
+    from distributed.shm_collectives import create_shm_collectives
+
+    shm = create_shm_collectives(info.tp_rank, tp.size, tp.cpu_group, 10,
+                                 wanted=info.tp_rank != unwilling_rank)
+    return shm is None, sorted(glob.glob("/dev/shm/gramsync-tp-*"))
+
+
+@pytest.mark.parametrize("unwilling_rank", [0, 1])
+def test_one_unwilling_rank_keeps_the_whole_group_on_gloo(unwilling_rank):
+    before = set(glob.glob("/dev/shm/gramsync-tp-*"))
+    for rank, (is_none, segments) in run_world(_agreement_worker, 2, 1, unwilling_rank).items():
+        assert is_none, rank
+        assert set(segments) <= before, f"a segment was left behind: {segments}"
+
+
+def _timeout_worker(info: RankInfo, tp: TPGroup, world) -> str:
+    import time
+
+    from distributed.shm_collectives import create_shm_collectives
+
+    shm = create_shm_collectives(info.tp_rank, tp.size, tp.cpu_group, timeout_s=1.0)
+    if info.tp_rank == 1:
+        time.sleep(4)  # never joins the op: rank 0 must give up, not hang
+        return "absent"
+    t0 = time.monotonic()
+    try:
+        shm.all_reduce(torch.ones(4))
+    except RuntimeError as e:
+        return f"{time.monotonic() - t0:.1f} {e}"
+    return "no error"
+
+
+def test_a_missing_rank_is_a_timeout_naming_it():
+    res = run_world(_timeout_worker, 2, 1)
+    seconds, message = res[0].split(" ", 1)
+    assert 1.0 <= float(seconds) < 3.0 and "TP rank 1 did not reach" in message, res[0]
+
+
+def _layout_worker(info: RankInfo, tp: TPGroup, world) -> bool:
+    return tp.shm is not None
+
+
+def test_groups_get_their_own_segment_and_nothing_stays_in_dev_shm():
+    before = set(glob.glob("/dev/shm/gramsync-tp-*"))
+    assert run_world(_layout_worker, 2, 2) == {r: True for r in range(4)}
+    assert set(glob.glob("/dev/shm/gramsync-tp-*")) <= before
+
+
+def test_a_tp_group_spanning_nodes_keeps_gloo():
+    from distributed.process_groups import _tp_group_on_one_node
+
+    assert _tp_group_on_one_node(RankInfo.for_world_rank(1, 2, 2, nnodes=2))
+    assert not _tp_group_on_one_node(RankInfo.for_world_rank(1, 4, 1, nnodes=2))
+    assert not _tp_group_on_one_node(RankInfo.for_world_rank(0, 2, 1, nnodes=2))
+    assert _tp_group_on_one_node(RankInfo.for_world_rank(3, 4, 1, nnodes=1))

@@ -202,7 +202,8 @@ def _world4_worker(info: RankInfo, tp: TPGroup, world, _unused=None) -> dict:
                            tp.cpu_group is not None, world is not None),
                  "cpu_group_rank": dist.get_rank(group=tp.cpu_group),
                  "cpu_group_size": dist.get_world_size(group=tp.cpu_group),
-                 "device_group_rank": dist.get_rank(group=tp.device_group)}
+                 "device_group_rank": dist.get_rank(group=tp.device_group),
+                 "shm": tp.shm is not None}  # each DP group's own shared-memory segment
     # tp_all_reduce: sums within the DP group only.
     x = torch.full((2, 3), float(r + 1))
     y = tp_all_reduce(x, tp)
@@ -256,6 +257,7 @@ def test_tp_groups_have_the_right_rank_and_size(world4):
         assert res["group"] == (r % 2, 2, False, True, True, True)
         assert res["cpu_group_rank"] == res["device_group_rank"] == r % 2
         assert res["cpu_group_size"] == 2
+        assert res["shm"]  # so the sums and agreements below ran through shared memory
 
 
 @pytest.mark.timeout(90)

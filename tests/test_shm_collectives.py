@@ -3,11 +3,11 @@ ranks: the same bits as gloo for every op and dtype, correct under many back-to-
 changing shapes (the double buffer), gloo for what does not fit, agreement when one rank
 cannot or will not share memory, a timeout that names the missing rank, and nothing left
 in /dev/shm. The scheduler-level proof (TP=2 greedy ids equal TP=1, lock-step batch logs)
-is in test_multi_rank_server.py, whose servers use this path by default."""
+is in test_multi_rank_server.py, whose servers use this path by default; the 4-rank world
+of test_distributed.py runs its sums and agreements through one segment per DP group."""
 from __future__ import annotations
 
 import glob
-import os
 
 import pytest
 import torch
@@ -32,10 +32,9 @@ SHAPES = [(1, 576), (3, 576), (64, 576), (1, 24576), (8, 24576)]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _equal_to_gloo_worker(info: RankInfo, tp: TPGroup, world) -> dict:
+def _equal_to_gloo(info: RankInfo, tp: TPGroup) -> dict:
     import torch.distributed as dist
 
-    assert tp.shm is not None, "a one-machine CPU TP group should reduce through shared memory"
     out = {"sum": [], "gather": [], "min": []}
     for i, (shape, dtype) in enumerate((s, d) for s in SHAPES for d in DTYPES):
         x = _tensor(info.tp_rank, i, shape, dtype)
@@ -56,12 +55,7 @@ def _equal_to_gloo_worker(info: RankInfo, tp: TPGroup, world) -> dict:
     return out
 
 
-def test_same_bits_as_gloo_for_every_op_and_dtype():
-    for rank, res in run_world(_equal_to_gloo_worker, 2, 1).items():
-        assert all(res["sum"]) and all(res["gather"]) and all(res["min"]), (rank, res)
-
-
-def _many_ops_worker(info: RankInfo, tp: TPGroup, world, n_ops: int) -> int:
+def _wrong_in_many_ops(tp: TPGroup, n_ops: int) -> int:
     """Back-to-back ops of changing shapes, each checked against the sum every rank can
     compute itself: a slot overwritten before a peer read it would show here."""
     from distributed.communication import tp_all_gather_last_dim, tp_all_reduce
@@ -69,7 +63,7 @@ def _many_ops_worker(info: RankInfo, tp: TPGroup, world, n_ops: int) -> int:
     wrong = 0
     for i in range(n_ops):
         shape = [(1, 576), (4, 576), (1, 1536), (2, 24576)][i % 4]
-        x = _tensor(info.tp_rank, i, shape, torch.float32)
+        x = _tensor(tp.rank, i, shape, torch.float32)
         if i % 5 == 4:
             want = torch.cat([_tensor(r, i, shape, torch.float32) for r in range(tp.size)], dim=-1)
             wrong += not torch.equal(tp_all_gather_last_dim(x, tp), want)
@@ -81,48 +75,31 @@ def _many_ops_worker(info: RankInfo, tp: TPGroup, world, n_ops: int) -> int:
     return wrong
 
 
-@pytest.mark.parametrize("tp_size", [2, 3])
-def test_back_to_back_ops_of_changing_shapes_stay_exact(tp_size):
-    assert run_world(_many_ops_worker, tp_size, 1, 400) == {r: 0 for r in range(tp_size)}
-
-
-def _oversize_worker(info: RankInfo, tp: TPGroup, world) -> tuple:
+def _oversize(tp: TPGroup) -> tuple:
     from distributed.communication import tp_all_reduce
 
-    big = torch.full((SLOT_BYTES // 4 + 1,), float(info.tp_rank + 1))
+    big = torch.full((SLOT_BYTES // 4 + 1,), float(tp.rank + 1))
     untouched = not tp.shm.all_reduce(big.clone()) and tp.shm.all_gather_last_dim(big) is None
     summed = tp_all_reduce(big, tp)  # gloo takes it
     return untouched, bool((summed == 3.0).all())
 
 
-def test_tensors_larger_than_a_slot_go_through_gloo():
-    assert run_world(_oversize_worker, 2, 1) == {0: (True, True), 1: (True, True)}
-
-
-def _agreement_worker(info: RankInfo, tp: TPGroup, world, unwilling_rank: int) -> tuple:
+def _unwilling(tp: TPGroup, unwilling_rank: int) -> bool:
     from distributed.shm_collectives import create_shm_collectives
 
-    shm = create_shm_collectives(info.tp_rank, tp.size, tp.cpu_group, 10,
-                                 wanted=info.tp_rank != unwilling_rank)
-    return shm is None, sorted(glob.glob("/dev/shm/gramsync-tp-*"))
+    shm = create_shm_collectives(tp.rank, tp.size, tp.cpu_group, 10, wanted=tp.rank != unwilling_rank)
+    return shm is None
 
 
-@pytest.mark.parametrize("unwilling_rank", [0, 1])
-def test_one_unwilling_rank_keeps_the_whole_group_on_gloo(unwilling_rank):
-    before = set(glob.glob("/dev/shm/gramsync-tp-*"))
-    for rank, (is_none, segments) in run_world(_agreement_worker, 2, 1, unwilling_rank).items():
-        assert is_none, rank
-        assert set(segments) <= before, f"a segment was left behind: {segments}"
-
-
-def _timeout_worker(info: RankInfo, tp: TPGroup, world) -> str:
+def _missing_rank(tp: TPGroup) -> str:
+    """Last (it leaves the group's new segment out of step): rank 1 never joins the op."""
     import time
 
     from distributed.shm_collectives import create_shm_collectives
 
-    shm = create_shm_collectives(info.tp_rank, tp.size, tp.cpu_group, timeout_s=1.0)
-    if info.tp_rank == 1:
-        time.sleep(4)  # never joins the op: rank 0 must give up, not hang
+    shm = create_shm_collectives(tp.rank, tp.size, tp.cpu_group, timeout_s=1.0)
+    if tp.rank == 1:
+        time.sleep(4)  # rank 0 must give up, not hang
         return "absent"
     t0 = time.monotonic()
     try:
@@ -132,20 +109,55 @@ def _timeout_worker(info: RankInfo, tp: TPGroup, world) -> str:
     return "no error"
 
 
-def test_a_missing_rank_is_a_timeout_naming_it():
-    res = run_world(_timeout_worker, 2, 1)
-    seconds, message = res[0].split(" ", 1)
-    assert 1.0 <= float(seconds) < 3.0 and "TP rank 1 did not reach" in message, res[0]
+def _tp2_worker(info: RankInfo, tp: TPGroup, world) -> dict:
+    """Every TP=2 check in one world (a spawned world costs seconds of imports)."""
+    return {"has_shm": tp.shm is not None, "gloo": _equal_to_gloo(info, tp),
+            "wrong": _wrong_in_many_ops(tp, 400), "oversize": _oversize(tp),
+            "unwilling": [_unwilling(tp, r) for r in (0, 1)], "missing": _missing_rank(tp)}
 
 
-def _layout_worker(info: RankInfo, tp: TPGroup, world) -> bool:
-    return tp.shm is not None
-
-
-def test_groups_get_their_own_segment_and_nothing_stays_in_dev_shm():
+@pytest.fixture(scope="module")
+def tp2():
     before = set(glob.glob("/dev/shm/gramsync-tp-*"))
-    assert run_world(_layout_worker, 2, 2) == {r: True for r in range(4)}
-    assert set(glob.glob("/dev/shm/gramsync-tp-*")) <= before
+    results = run_world(_tp2_worker, 2, 1)
+    return results, set(glob.glob("/dev/shm/gramsync-tp-*")) - before
+
+
+def test_one_machine_cpu_tp_group_uses_shared_memory_and_leaves_nothing_in_dev_shm(tp2):
+    results, left = tp2
+    assert all(res["has_shm"] for res in results.values())
+    assert not left, f"segments left behind: {left}"
+
+
+def test_same_bits_as_gloo_for_every_op_and_dtype(tp2):
+    for rank, res in tp2[0].items():
+        g = res["gloo"]
+        assert all(g["sum"]) and all(g["gather"]) and all(g["min"]), (rank, g)
+
+
+def test_back_to_back_ops_of_changing_shapes_stay_exact(tp2):
+    assert {r: res["wrong"] for r, res in tp2[0].items()} == {0: 0, 1: 0}
+
+
+def _tp3_worker(info: RankInfo, tp: TPGroup, world) -> int:
+    return _wrong_in_many_ops(tp, 200)
+
+
+def test_three_ranks_stay_exact():
+    assert run_world(_tp3_worker, 3, 1) == {0: 0, 1: 0, 2: 0}
+
+
+def test_tensors_larger_than_a_slot_go_through_gloo(tp2):
+    assert {r: res["oversize"] for r, res in tp2[0].items()} == {0: (True, True), 1: (True, True)}
+
+
+def test_one_unwilling_rank_keeps_the_whole_group_on_gloo(tp2):
+    assert {r: res["unwilling"] for r, res in tp2[0].items()} == {0: [True, True], 1: [True, True]}
+
+
+def test_a_missing_rank_is_a_timeout_naming_it(tp2):
+    seconds, message = tp2[0][0]["missing"].split(" ", 1)
+    assert 1.0 <= float(seconds) < 3.0 and "TP rank 1 did not reach" in message, tp2[0][0]["missing"]
 
 
 def test_a_tp_group_spanning_nodes_keeps_gloo():

@@ -7,11 +7,17 @@ import torch.distributed as dist
 from distributed.parallel_state import TPGroup
 
 
+def _shm_usable(tp: TPGroup) -> bool:
+    """The group has a shared-memory segment and torch.compile is not tracing (a compiled
+    step keeps torch's own traceable collective)."""
+    return tp.shm is not None and not torch.compiler.is_compiling()
+
+
 def tp_all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Sum partial results of a row-parallel layer across the TP group (in place)."""
     if tp.is_single:
         return x
-    if tp.shm is None or not tp.shm.all_reduce(x):
+    if not _shm_usable(tp) or not tp.shm.all_reduce(x):
         dist.all_reduce(x, group=tp.device_group)
     return x
 
@@ -20,7 +26,7 @@ def tp_all_gather_last_dim(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Concatenate each rank's shard along the last dim (vocab-parallel logits)."""
     if tp.is_single:
         return x
-    if tp.shm is not None:
+    if _shm_usable(tp):
         gathered = tp.shm.all_gather_last_dim(x.contiguous())
         if gathered is not None:
             return gathered

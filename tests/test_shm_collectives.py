@@ -167,3 +167,18 @@ def test_a_tp_group_spanning_nodes_keeps_gloo():
     assert not _tp_group_on_one_node(RankInfo.for_world_rank(1, 4, 1, nnodes=2))
     assert not _tp_group_on_one_node(RankInfo.for_world_rank(0, 2, 1, nnodes=2))
     assert _tp_group_on_one_node(RankInfo.for_world_rank(3, 4, 1, nnodes=1))
+
+
+def test_a_compiled_step_keeps_torchs_traceable_collective():
+    """While torch.compile traces (the compiled steps at TP > 1), the layers call
+    dist.all_reduce, which dynamo can trace; eager steps use the segment."""
+    from distributed.communication import _shm_usable
+
+    group = TPGroup(rank=0, size=2, shm=object())
+
+    def uses_shm(x: torch.Tensor) -> torch.Tensor:
+        return x + (1 if _shm_usable(group) else 0)
+
+    assert uses_shm(torch.zeros(1)).item() == 1
+    assert torch.compile(uses_shm, backend="eager")(torch.zeros(1)).item() == 0
+    assert not _shm_usable(TPGroup(rank=0, size=2))

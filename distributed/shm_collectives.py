@@ -56,7 +56,7 @@ class ShmCollectives:
         self.slots = torch.frombuffer(mm, dtype=torch.uint8, offset=header,
                                       count=2 * size * SLOT_BYTES).view(2, size, SLOT_BYTES)
         self.others = [r for r in range(size) if r != rank]
-        self.seq = int(self.flags[rank])
+        self.seq = 0  # a new segment's flags are all 0
         self._views: dict = {}
 
     # ---- operations ---------------------------------------------------------------------
@@ -130,11 +130,6 @@ class ShmCollectives:
                 os.sched_yield()
             else:
                 time.sleep(50e-6)
-
-    def close(self) -> None:
-        self._views.clear()
-        self.slots = None
-        self.flags = None
 
 
 def create_shm_collectives(tp_rank: int, tp_size: int, cpu_group, timeout_s: float,

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.setup-done
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test gpu-check bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,12 @@ serve: setup
 
 test: setup
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+# Every CUDA test and GPU benchmark in one run, with a summary (benchmark/gpu_check.py).
+# GPU_PYTHON: an interpreter whose torch has CUDA, if not the project's .venv.
+GPU_PYTHON ?=
+gpu-check: $(if $(GPU_PYTHON),,setup)
+	$(or $(GPU_PYTHON),$(PY)) benchmark/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

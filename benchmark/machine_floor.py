@@ -46,8 +46,19 @@ def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def matmul_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """The best rate any path here reaches: torch's matmul (MKL on CPU), oneDNN on a packed
+    weight (faster on AMD CPUs), and for bf16 also fp32's rate: a CPU without native bf16
+    (AVX2) computes bf16 weights at best at its fp32 rate after converting them, and
+    measuring only its emulated bf16 matmul (~0.3 GFLOP/s) would make the floor meaningless."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    return 2 * n ** 3 / _best(lambda: a @ b, repeats) / 1e9
+    rates = [2 * n ** 3 / _best(lambda: a @ b, repeats) / 1e9]
+    if torch.backends.mkldnn.is_available() and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, None)
+        rates.append(2 * n ** 3 / _best(lambda: torch.ops.mkldnn._linear_pointwise(
+            a, packed, None, "none", [], ""), repeats) / 1e9)
+    if dtype == torch.bfloat16:
+        rates.append(matmul_peak_gflops(torch.float32, n, repeats))
+    return max(rates)
 
 
 def model_floors(model: torch.nn.Module, dtype: torch.dtype, bandwidth_gbs: float,

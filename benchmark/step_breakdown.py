@@ -80,13 +80,16 @@ def _module_timers(model: torch.nn.Module, totals: dict[str, float]):
             h.remove()
 
 
-def breakdown(sched, prompts_ids, concurrency: int, new_tokens: int) -> dict:
-    """One concurrency level: the served step and its phases, then the eager forward split."""
+def breakdown(sched, prompts_ids, concurrency: int, new_tokens: int, eager_split: bool = True) -> dict:
+    """One concurrency level: the served step and its phases, then (``eager_split``) the
+    eager forward split."""
     batch = [prompts_ids[i % len(prompts_ids)] for i in range(concurrency)]
     _decode(sched, batch, 4, f"warm{concurrency}")
     steps = _decode(sched, batch, new_tokens, f"c{concurrency}")
     phases = sched.step_stats.mode("DECODE").per_step_ms()
     row = {"concurrency": concurrency, "step_ms": 1e3 * statistics.median(steps), "phases_ms": phases}
+    if not eager_split:
+        return row
     runner = sched.runner
     compiled, runner.compiled_decode = runner.compiled_decode, None
     totals = {"attention": 0.0, "linear": 0.0}

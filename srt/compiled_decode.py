@@ -4,21 +4,24 @@ What is compiled: the whole model forward of a DECODE batch (embedding, every la
 its attention over the paged pool, final norm, LM head) as one graph. Inductor's
 ``freezing`` folds the weights in as constants and prepacks them for oneDNN, which is where
 most of the speed comes from on CPU (docs/speed.md), and the layers' small ops (norms,
-rotary, residual adds, SiLU) fuse into a few loops. Batch 1 is compiled separately with
-max-autotune, which picks Inductor's C++ GEMM template per weight shape where it beats
-ATen: at one row every GEMM is a weight read, and the template streams the weights at
-close to this CPU's read bandwidth.
+rotary, residual adds, SiLU) fuse into a few loops. Up to 16 rows a step is a weight
+read, and those graphs are compiled with max-autotune, which picks Inductor's C++ GEMM
+template per weight shape where it beats ATen: it streams the weights at close to this
+CPU's read bandwidth where oneDNN reaches about half of it.
 
-Shapes: the batch size and the longest sequence change every step, so they are dynamic:
-one graph serves every batch from 2 to ``--torch-compile-max-bs`` and batch 1 gets its own.
-We chose this over padding to batch-size buckets because each bucket would be another full
-compile (over a minute each on 2 cores) and padding computes rows nobody asked for. Larger
-batches, and prefill, run eagerly. Frozen graphs hold oneDNN-packed weights, which torch's
-FX graph cache cannot pickle, so the compile is paid at every start (docs/speed.md).
+Graphs: batch 1 (static), batches 2-16 (dynamic) and batches 17 to
+``--torch-compile-max-bs`` (dynamic, oneDNN: compute-bound there), each dynamic graph
+keeping the batch size and the longest sequence dynamic so it serves its whole range
+without recompiling. We chose this over padding to one graph per bucket because each
+bucket is another full compile (over a minute each on 2 cores) and padding computes rows
+nobody asked for. Larger batches, and prefill, run eagerly. Frozen graphs hold
+oneDNN-packed weights, which torch's FX graph cache cannot pickle, so the compile is paid
+at every start (docs/speed.md).
 
-When: compiling takes two to three minutes on 2 cores, so at TP=1 it runs in a background
-thread at start-up while the server already answers with the eager step, and the scheduler
-switches to the compiled step once both graphs exist (fp32 outputs are identical, tested).
+When: compiling takes four to seven minutes on 2 cores (three graphs and the prefill's),
+so at TP=1 it runs in a background thread at start-up while the server already answers
+with the eager step, and the scheduler
+switches to the compiled step once every graph exists (fp32 outputs are identical, tested).
 With TP > 1 every rank must switch in the same iteration, so there it compiles before the
 server reports ready. Any failure (no C++ compiler, an unsupported op) logs a warning and
 the step stays eager, identically on every rank because the failure is deterministic.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -44,7 +48,28 @@ _BATCH_DIM_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indice
 
 
 _FREEZE = {"freezing": True}
-_BATCH_ONE = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+_AUTOTUNE = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# Up to this many rows a decode step is a weight read, where Inductor's C++ GEMM template
+# (picked per weight shape by max-autotune against ATen) streams the weights ~1.6-2x faster
+# than oneDNN's packed GEMM (fp32 AVX2, SmolLM2 shapes: 32 vs 57 ms at 2 rows, 39 vs 78 at
+# 8, 65 vs 99 at 16; docs/speed.md). Above it the batch is compute and oneDNN is the faster.
+SMALL_BATCH_MAX = 16
+# The small graph is traced (and autotuned) at 8 rows, not 16: max-autotune times each
+# GEMM alone, with its weight warm in L3, and at 16 rows it then picked oneDNN for the MLP's
+# gate_up, which in the real step (weights streaming from memory) took 1.1 ms per call
+# where the template takes ~0.6; at 8 it picks the template for every shape, which serves
+# 16 rows as fast as a graph traced at 16 (fp32 AVX2, docs/speed.md).
+SMALL_BATCH_TRACE = 8
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """One compiled graph and the batch sizes it serves."""
+    lo: int
+    hi: int
+    compiled: Callable
+    label: str
+    trace_bs: int
 
 
 class CompiledDecode:
@@ -56,11 +81,20 @@ class CompiledDecode:
         self._thread: threading.Thread | None = None
         self._eager = model
         # freezing: weights become constants (oneDNN-prepacked); needs no-grad/inference.
-        self._compiled = torch.compile(model, dynamic=None, options=dict(_FREEZE))
-        # Batch 1 is a pure weight read, where Inductor's C++ GEMM template (picked per
-        # shape by max-autotune against ATen) streams the weights ~1.7x faster than ATen's
-        # matrix-vector path, on both dtypes (docs/speed.md).
-        self._compiled_one = torch.compile(model, dynamic=False, options=dict(_BATCH_ONE))
+        # Batch 1 is static (Dynamo specializes a dimension of size 1 anyway); the others
+        # keep B and S dynamic so a graph serves its whole range without recompiling.
+        graphs = [_Graph(1, 1, torch.compile(model, dynamic=False, options=dict(_AUTOTUNE)), "1", 1)]
+        small_hi = min(SMALL_BATCH_MAX, max_bs)
+        if small_hi >= 2:
+            graphs.append(_Graph(2, small_hi, torch.compile(model, dynamic=None, options=dict(_AUTOTUNE)),
+                                 f"2-{small_hi}", min(small_hi, SMALL_BATCH_TRACE)))
+        if max_bs > small_hi:
+            graphs.append(_Graph(small_hi + 1, max_bs, torch.compile(model, dynamic=None, options=dict(_FREEZE)),
+                                 f"{small_hi + 1}-{max_bs}", max_bs))
+        self._graphs = tuple(graphs)
+
+    def _graph_for(self, bs: int) -> _Graph:
+        return next(g for g in self._graphs if g.lo <= bs <= g.hi)
 
     @property
     def ready(self) -> bool:
@@ -86,7 +120,7 @@ class CompiledDecode:
             # not Dynamo): without this every weight stays a graph input and is never
             # prepacked. Patched per call because a recompile traces inside a served step.
             with torch._inductor.config.patch(freezing=True):
-                return (self._compiled_one if fb.batch_size == 1 else self._compiled)(fb)
+                return self._graph_for(fb.batch_size).compiled(fb)
         except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager
             self.failed = True
             logger.warning("%s torch.compile failed (%s: %s); decoding eagerly from now on",
@@ -95,7 +129,7 @@ class CompiledDecode:
 
     def start(self, run_compiled_step: Callable[[int], None], background: bool,
               first: Callable[[], None] | None = None) -> None:
-        """Compile both graphs now, not inside a request.
+        """Compile every graph now, not inside a request.
 
         ``run_compiled_step(bs)`` must build its batch as the scheduler does (outside
         inference mode) and run it through ``self`` as ``ModelRunner.forward`` does (in
@@ -121,16 +155,16 @@ class CompiledDecode:
 
     def _compile_graphs(self, run_compiled_step: Callable[[int], None]) -> None:
         t = time.monotonic()
-        # The dynamic graph is traced at max_bs: Inductor prepacks the frozen bf16
-        # weights for its trace-time batch size, and serving batches are large.
-        for bs in sorted({1, self.max_bs}):
-            label, t_graph = ("1" if bs == 1 else f"2-{self.max_bs}"), time.monotonic()
-            logger.info("%s compiling the decode step (batch %s) ...", self.log_prefix, label)
+        # Each dynamic graph is traced at its largest batch: Inductor prepacks the frozen
+        # weights (and max-autotune picks its GEMM kernels) for the trace-time batch size.
+        for graph in self._graphs:
+            t_graph = time.monotonic()
+            logger.info("%s compiling the decode step (batch %s) ...", self.log_prefix, graph.label)
             with torch.no_grad():  # grad mode is thread-local; the step sets inference mode
-                run_compiled_step(bs)
+                run_compiled_step(graph.trace_bs)
             if self.failed:
                 return
-            logger.info("%s batch %s graph ready in %.1f s", self.log_prefix, label,
+            logger.info("%s batch %s graph ready in %.1f s", self.log_prefix, graph.label,
                         time.monotonic() - t_graph)
         logger.info("%s decode step compiled in %.1f s; using it for batches up to %d",
                     self.log_prefix, time.monotonic() - t, self.max_bs)

@@ -10,8 +10,10 @@ back to the real rows.
 Only the ``triton`` attention backend is captured: its decode kernel takes the batch from
 device tensors and syncs nothing with the host, while ``torch_native`` builds host-side
 metadata every step. Capture runs before the server reports ready, identically on every
-rank. After capturing, each graph is replayed once on a dummy batch and compared with the
-eager forward; any failure or mismatch disables CUDA graphs on every rank with a warning.
+rank. After capturing, the smallest and largest graphs are replayed on a batch at serving
+lengths (random K/V over up to 1,024 keys per sequence, ``real_length_inputs``) and
+compared with the eager forward; any failure or mismatch disables CUDA graphs on every
+rank with a warning.
 Unverified on GPU hardware until a GPU run says otherwise (docs/speed.md).
 """
 from __future__ import annotations
@@ -76,18 +78,23 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def self_check(self, atol: float) -> bool:
-        """Replay the smallest and largest graph on the (padding-only) dummy batch and compare
-        with the eager forward."""
+    def self_check(self, atol: float, check_inputs: Callable[[int], dict] | None = None) -> bool:
+        """Replay the smallest and largest graph and compare with the eager forward: on
+        ``check_inputs(bs)`` (a batch at serving lengths, see ``real_length_inputs``) where
+        given, else on the padding-only dummy batch."""
         for bs in sorted({self.batch_sizes[0], self.max_bs}):
-            want = self.model(self._static_batch(bs)).float()
-            self.graphs[bs].replay()
-            got = self.outputs[bs].float()
+            fb = self.make_batch(check_inputs(bs)) if check_inputs is not None else self._static_batch(bs)
+            want = self.model(fb).float()
+            got = (self(fb) if check_inputs is not None else self._replay(bs)).float()
             if not torch.allclose(got, want, atol=atol, rtol=0):
                 logger.warning("%s CUDA graph at batch %d differs from eager by %.3g", self.log_prefix,
                                bs, (got - want).abs().max().item())
                 return False
         return True
+
+    def _replay(self, bs: int) -> torch.Tensor:
+        self.graphs[bs].replay()
+        return self.outputs[bs]
 
     def disable(self) -> None:
         self.graphs.clear()
@@ -103,3 +110,32 @@ class CudaGraphRunner:
                 buf[raw_bs:bs].fill_(_PAD_VALUES[name])
         self.graphs[bs].replay()
         return self.outputs[bs][:raw_bs]
+
+
+def real_length_inputs(bs: int, req_to_token: torch.Tensor, kv_pool, max_len: int = 1024,
+                       seed: int = 0) -> dict[str, torch.Tensor]:
+    """A decode batch at serving lengths for the start-up self-check, before any request
+    holds a KV slot: rows 0..bs-1 of ``req_to_token`` point at distinct random pool slots
+    (never the dummy slot 0), lengths spread from 1 to ``max_len`` (capped by the pool and
+    the context), and those slots hold random K/V in every layer, so attention's split-K
+    paths run over real key counts. The caller zeroes the rows afterwards
+    (``req_to_token[:bs] = 0``): a row is taken only by a request, and none exists yet."""
+    device = req_to_token.device
+    gen = torch.Generator().manual_seed(seed)
+    longest = max(1, min(max_len, kv_pool.size // bs, req_to_token.shape[1] - 1))
+    lens = torch.linspace(1, longest, bs).round().to(torch.int64).clamp(min=1)
+    slots = torch.randperm(kv_pool.size, generator=gen)[: int(lens.sum())] + 1
+    start = 0
+    for row, n in enumerate(lens.tolist()):
+        req_to_token[row, :n] = slots[start:start + n].to(device)
+        start += n
+    slots = slots.to(device)
+    for k, v in zip(kv_pool.k_buffer, kv_pool.v_buffer):
+        for buf in (k, v):
+            noise = torch.randn(buf.shape[0], slots.numel(), buf.shape[2], generator=gen)
+            buf.index_copy_(1, slots, noise.to(device=device, dtype=buf.dtype))
+    seq_lens = lens.to(device)
+    rows = torch.arange(bs, dtype=torch.int64, device=device)
+    return {"input_ids": torch.randint(0, 1000, (bs,), generator=gen).to(device), "positions": seq_lens - 1,
+            "out_cache_loc": req_to_token[rows, seq_lens - 1].clone(), "req_pool_indices": rows,
+            "seq_lens": seq_lens}

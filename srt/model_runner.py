@@ -16,7 +16,7 @@ from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
 from srt.compiled_decode import CompiledDecode
 from srt.compiled_prefill import CompiledPrefill
-from srt.cuda_graph_runner import CudaGraphRunner
+from srt.cuda_graph_runner import CudaGraphRunner, real_length_inputs
 from srt.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention import create_attention_backend
 from srt.layers.cpu_packed_linear import pack_linear_weights
@@ -112,11 +112,13 @@ class ModelRunner:
                                  self._graph_batch, self.device, self.rank_info.log_prefix)
         try:
             runner.capture()
-            ok = runner.self_check(atol=1e-2)
+            ok = runner.self_check(atol=1e-2, check_inputs=self._graph_check_inputs)
         except Exception as e:  # noqa: BLE001 - a capture failure must not kill the rank
             logger.warning("%s CUDA graph capture failed (%s: %s)", self.rank_info.log_prefix,
                            type(e).__name__, str(e)[:500])
             ok = False
+        finally:
+            self.req_to_token_pool.req_to_token.zero_()  # as before the check: no request yet
         if not tp_min_int(int(ok), self.tp):  # every rank replays, or none does
             logger.warning("%s CUDA graphs disabled; decoding eagerly", self.rank_info.log_prefix)
             runner.disable()
@@ -124,6 +126,10 @@ class ModelRunner:
         logger.info("%s CUDA graphs captured for decode batches %s", self.rank_info.log_prefix,
                     runner.batch_sizes)
         return runner
+
+    def _graph_check_inputs(self, bs: int) -> dict:
+        """Start-up only (no request yet): the self-check's batch at serving lengths."""
+        return real_length_inputs(bs, self.req_to_token_pool.req_to_token, self.token_to_kv_pool)
 
     def _graph_batch(self, t: dict) -> ForwardBatch:
         bs = t["seq_lens"].shape[0]

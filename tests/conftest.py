@@ -149,3 +149,14 @@ def server_auto(tmp_path_factory, smollm2_dir):
     """A real server with --grammar-backend auto, the default (xgrammar, per-request
     llguidance fallback)."""
     yield from _launch_server(tmp_path_factory, smollm2_dir, ["--grammar-backend", "auto"])
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test skipped for want of a GPU must carry the ``gpu`` marker, or ``make gpu-check``
+    (``pytest -m gpu``) would never run it where a GPU exists."""
+    unmarked = [item.nodeid for item in items
+                if item.get_closest_marker("gpu") is None and any(
+                    m.args and m.args[0] is True and any(w in str(m.kwargs.get("reason", "")) for w in ("CUDA", "GPU"))
+                    for m in item.iter_markers("skipif"))]  # skipped here, for want of a GPU
+    if unmarked:
+        raise pytest.UsageError("mark these @pytest.mark.gpu (they skip without CUDA): " + ", ".join(unmarked))

@@ -240,6 +240,7 @@ def test_triton_kernel_interpreted():
     assert proc.returncode == 0 and "TRITON-INTERPRET-OK" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_kernel_cuda(dtype):

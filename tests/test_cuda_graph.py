@@ -28,6 +28,7 @@ def test_cpu_runner_captures_nothing(smollm2_dir, smollm2_tokenizer):
     assert sched.runner.cuda_graph_runner is None  # CPU: no graphs, no capture cost
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graph_replay_matches_eager_greedy(smollm2_dir, smollm2_tokenizer):
     """Batches of 3 and 5 (padded to buckets 4 and 8) decode the same tokens with graphs

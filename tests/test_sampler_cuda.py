@@ -9,7 +9,7 @@ from sampling.sampling_params import SamplingParams
 from sampling import flashinfer_backend
 from srt.scheduler.req import Req
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _info(params, vocab, device, seed=0):

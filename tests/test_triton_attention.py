@@ -223,6 +223,7 @@ def test_argument_errors_and_empty_batches():
 
 
 # -- CUDA -------------------------------------------------------------------------------
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernels_cuda():
     mod = load_triton_ops()

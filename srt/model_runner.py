@@ -64,8 +64,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(server_args, self.device)
         self.model = load_model(model_config, tp, self.dtype, self.device)
         if server_args.torchao_config:
-            apply_torchao_config(self.model, server_args.torchao_config, self.device)
-        elif self.device == "cpu" and not self._want_compile() and environ.GRAMSYNC_CPU_PACKED_LINEAR.get():
+            apply_torchao_config(self.model, server_args.torchao_config, self.device, rank_info.log_prefix)
+        # oneDNN-packed weights for the eager step; with int4 only the LM head still has one.
+        if self.device == "cpu" and environ.GRAMSYNC_CPU_PACKED_LINEAR.get() and (
+                self._cpu_int4() or not (server_args.torchao_config or self._want_compile())):
             pack_linear_weights(self.model, self.dtype, rank_info.log_prefix)
         # Every rank of the TP group must allocate identically: take the group's minimum.
         self.max_total_num_tokens = tp_min_int(self._profile_max_num_tokens(), tp)
@@ -89,6 +91,9 @@ class ModelRunner:
             self.compiled_decode.start(self._run_warm_up_step, background=background,
                                        first=partial(prefill.warm_up, self._run_warm_up_prefill) if prefill else None)
         self.cuda_graph_runner = self._capture_cuda_graphs() if self._want_cuda_graph() else None
+
+    def _cpu_int4(self) -> bool:
+        return self.device == "cpu" and (self.server_args.torchao_config or "").startswith("int4wo-")
 
     def _want_compile(self) -> bool:
         args = self.server_args

@@ -83,9 +83,40 @@ def test_int8wo_quantizes_every_decoder_linear_and_stays_close():
     assert 0 < err < 0.01 * ref.abs().max().item()
 
 
-def test_int4wo_is_refused_on_cpu_with_the_reason():
+def test_int4wo_on_cpu_runs_torchs_int4_kernel_and_stays_close():
+    """int4 (group 32) through torch's CPU kernel: the weight the kernel applies (read back
+    by multiplying the identity) is within half a quantization step of the dense weight in
+    every group of 32 inputs, and the layer's output is the bf16-rounded input times that
+    weight plus the bias."""
     pytest.importorskip("torchao")
+    from srt.layers.cpu_int4_linear import Int4Weight, int4_linear
+    from srt.layers.linear import ColumnParallelLinear
     from srt.layers.quantization import apply_torchao_config
 
-    with pytest.raises(ValueError, match="CUDA only"):
-        apply_torchao_config(torch.nn.Sequential(torch.nn.Linear(8, 8)), "int4wo-128", "cpu")
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(256, 96, bias=True, params_dtype=torch.float32)
+    layer.weight.data.normal_(0, 0.05)
+    layer.bias.data.normal_(0, 0.1)
+    dense, x = layer.weight.detach().clone(), torch.randn(3, 256)
+    ref = layer(x)
+    apply_torchao_config(torch.nn.Sequential(layer), "int4wo-32", "cpu")
+    assert isinstance(layer.packed_weight, Int4Weight) and layer.weight.is_meta
+    applied = int4_linear(torch.eye(256), layer.packed_weight, None).t()  # [96, 256]
+    groups = dense.view(96, 8, 32)
+    half_step = ((groups.amax(-1) - groups.amin(-1)) / 15 / 2).unsqueeze(-1)
+    assert ((applied.view(96, 8, 32) - groups).abs() <= half_step * 1.05 + 1e-3).all()
+    assert not torch.equal(applied, dense)  # quantized
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    want = x.to(torch.bfloat16).float() @ applied.t() + layer.bias
+    assert (out - want).abs().max().item() < 1e-2 * want.abs().max().item()
+
+
+def test_int4wo_group_must_divide_the_inputs():
+    pytest.importorskip("torchao")
+    from srt.layers.linear import ColumnParallelLinear
+    from srt.layers.quantization import apply_torchao_config
+
+    with pytest.raises(ValueError, match="not a multiple of the group size 128"):
+        apply_torchao_config(torch.nn.Sequential(ColumnParallelLinear(576, 8, params_dtype=torch.float32)),
+                             "int4wo-128", "cpu")

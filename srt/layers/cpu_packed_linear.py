@@ -17,6 +17,8 @@ import logging
 import torch
 from torch import nn
 
+from srt.layers.cpu_int4_linear import Int4Weight, int4_linear
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,6 +45,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """The layers' matmul: the packed weight when there is one, except while torch.compile
     traces (Inductor packs the weight its own way, from the dense one)."""
+    if isinstance(packed, Int4Weight):  # int4 on CPU: the same op eager and compiled
+        return int4_linear(x, packed, bias)
     if packed is not None and not torch.compiler.is_compiling():
         return packed_linear(x, packed, bias)
     return torch.nn.functional.linear(x, weight, bias)
@@ -60,7 +64,8 @@ def pack_linear_weights(model: nn.Module, dtype: torch.dtype, log_prefix: str) -
         return 0
     count = 0
     for module in model.modules():
-        if isinstance(module, (_TPLinear, ParallelLMHead)) and module.weight.dtype == dtype:
+        if (isinstance(module, (_TPLinear, ParallelLMHead)) and module.weight.dtype == dtype
+                and getattr(module, "packed_weight", None) is None):  # int4 layers keep theirs
             module.packed_weight = pack_weight(module.weight)
             if isinstance(module, _TPLinear):
                 module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)

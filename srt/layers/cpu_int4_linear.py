@@ -1,0 +1,73 @@
+"""int4 weights on CPU (``--torchao-config int4wo-<group>`` on a CPU device).
+
+torch ships a CPU int4 GEMM, ``aten._weight_int4pack_mm_for_cpu`` (AVX2 / AVX-512; the
+kernel torchao's ``Int4OpaqueTensor`` calls), over weights packed by
+``aten._convert_weight_to_int4pack_for_cpu``: 4-bit values, one bf16 scale and zero per
+``group`` inputs of each output row. torchao chooses those (its tinygemm affine scheme,
+``Int4OpaqueTensor.from_hp``); we keep only the packed weight, its scales and the group
+size on the layer and call the kernel ourselves, because the kernel is fast only with bf16
+activations (fp32 ones take a slow path: 281 vs 13 ms for SmolLM2's linear layers at one
+row, 2-vCPU AVX2), and the model may serve in fp32: activations go in as bf16 and the
+output comes back in the model's dtype.
+
+The LM head is quantized too (int4 reads an eighth of fp32's bytes, and the head is a
+fifth of SmolLM2's weights); the embedding keeps its dense table for the row lookup.
+"""
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class Int4Weight(NamedTuple):
+    """What the kernel needs (a NamedTuple: torch.compile traces it as plain values)."""
+    qdata: torch.Tensor           # packed 4-bit weight
+    scale_and_zero: torch.Tensor  # [K / group, N, 2] bf16
+    group: int
+    out_features: int
+
+
+def int4_supported() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> Int4Weight:
+    from torchao.prototype.quantization.int4 import Int4OpaqueTensor
+
+    t = Int4OpaqueTensor.from_hp(weight.detach().to(torch.bfloat16), [1, group])
+    return Int4Weight(t.qdata, t.scale_and_zero, group, weight.shape[0])
+
+
+def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, w.qdata, w.group, w.scale_and_zero)
+    y = y[:, :w.out_features].to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+    return y + bias if bias is not None else y
+
+
+def quantize_model_int4(model: nn.Module, group: int, log_prefix: str, head: bool = True) -> int:
+    """Every linear layer and the LM head get an ``Int4Weight`` in ``packed_weight``; a
+    linear layer's dense weight becomes a meta tensor (shape and dtype kept, no memory).
+    ValueError where a layer's input size is not a multiple of ``group``."""
+    from srt.layers.linear import _TPLinear
+    from srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, _TPLinear) and not (head and isinstance(module, ParallelLMHead)):
+            continue
+        if module.weight.shape[1] % group:
+            raise ValueError(f"--torchao-config int4wo-{group}: {name} has {module.weight.shape[1]} inputs, "
+                             f"not a multiple of the group size {group}")
+        module.packed_weight = quantize_int4(module.weight, group)
+        if isinstance(module, _TPLinear):
+            module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
+        count += 1
+    logger.info("%s int4 weights (group %d, torch's CPU int4 kernel) for %d linear layers",
+                log_prefix, group, count)
+    return count

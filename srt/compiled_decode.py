@@ -155,8 +155,8 @@ class CompiledDecode:
 
     def _compile_graphs(self, run_compiled_step: Callable[[int], None]) -> None:
         t = time.monotonic()
-        # Each dynamic graph is traced at its largest batch: Inductor prepacks the frozen
-        # weights (and max-autotune picks its GEMM kernels) for the trace-time batch size.
+        # Each graph is traced at its trace_bs: Inductor prepacks the frozen weights (and
+        # max-autotune picks its GEMM kernels) for the trace-time batch size.
         for graph in self._graphs:
             t_graph = time.monotonic()
             logger.info("%s compiling the decode step (batch %s) ...", self.log_prefix, graph.label)

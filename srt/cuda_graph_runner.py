@@ -118,8 +118,8 @@ def real_length_inputs(bs: int, req_to_token: torch.Tensor, kv_pool, max_len: in
     holds a KV slot: rows 0..bs-1 of ``req_to_token`` point at distinct random pool slots
     (never the dummy slot 0), lengths spread from 1 to ``max_len`` (capped by the pool and
     the context), and those slots hold random K/V in every layer, so attention's split-K
-    paths run over real key counts. The caller zeroes the rows afterwards
-    (``req_to_token[:bs] = 0``): a row is taken only by a request, and none exists yet."""
+    paths run over real key counts. The caller zeroes ``req_to_token`` afterwards: a row
+    is taken only by a request, and none exists yet."""
     device = req_to_token.device
     gen = torch.Generator().manual_seed(seed)
     longest = max(1, min(max_len, kv_pool.size // bs, req_to_token.shape[1] - 1))

@@ -10,8 +10,8 @@ activations (fp32 ones take a slow path: 281 vs 13 ms for SmolLM2's linear layer
 row, 2-vCPU AVX2), and the model may serve in fp32: activations go in as bf16 and the
 output comes back in the model's dtype.
 
-The LM head is quantized too (int4 reads an eighth of fp32's bytes, and the head is a
-fifth of SmolLM2's weights); the embedding keeps its dense table for the row lookup.
+The server quantizes the decoder's linear layers only (``head=False``): the embedded
+model's GGUF stores the tied embedding as Q8_0, and an int4 LM head cost 6% perplexity.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmark/bench_offline.py [--num-prompts 64] [--max-new-tokens 128]
         [--concurrency 32] [--breakdown 1,2,4,8,16,32,64] [--dtype auto] [--json out.json]
-        [--torchao-config int8wo] [--disable-torch-compile]
+        [--torchao-config int8wo] [--disable-torch-compile] [--enable-mixed-chunk]
 
 1. Machine: CPU flags, dtype, threads, and this run's physical floors (read bandwidth,
    matmul peak) -> the model's decode floors (machine_floor.py).
@@ -133,6 +133,8 @@ def main():
                          "bf16 runs its eager matmuls at well under 1 GFLOP/s)")
     ap.add_argument("--torchao-config", default=None)
     ap.add_argument("--disable-torch-compile", action="store_true")
+    ap.add_argument("--enable-mixed-chunk", action="store_true",
+                    help="the Engine prefills arriving requests in the decode steps' forward")
     ap.add_argument("--skip-hf", action="store_true", help="only run gramsync")
     ap.add_argument("--skip-throughput", action="store_true", help="floors and breakdown only")
     ap.add_argument("--json", default=None, help="write every figure to this file")
@@ -150,7 +152,8 @@ def main():
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     dtype = str(resolve_dtype(ServerArgs(dtype=args.dtype), "cpu")).removeprefix("torch.")
     server_kwargs = {"torchao_config": args.torchao_config,
-                     "disable_torch_compile": args.disable_torch_compile}
+                     "disable_torch_compile": args.disable_torch_compile,
+                     "enable_mixed_chunk": args.enable_mixed_chunk}
     report = {"args": vars(args), "dtype": dtype, "threads": torch.get_num_threads(),
               "cpu": machine_floor.cpu_model(), "cpu_flags": machine_floor.cpu_flags()}
     bw = machine_floor.read_bandwidth_gbs()

@@ -223,8 +223,9 @@ async def server_info(base_url: str, api_key: Optional[str]) -> Optional[dict]:
 
 
 @contextlib.contextmanager
-def launched_server(port: int, server_args: str):
-    """Start launch.py in its own process group; always stop it (SIGTERM, then SIGKILL)."""
+def launched_server(port: int, server_args: str, start_timeout: float = 900.0):
+    """Start launch.py in its own process group; always stop it (SIGTERM, then SIGKILL).
+    ``start_timeout``: seconds to become healthy (--wait-for-torch-compile takes minutes)."""
     python = os.path.join(REPO, ".venv", "bin", "python")
     cmd = [python if os.path.exists(python) else sys.executable, "launch.py", "--port", str(port),
            *shlex.split(server_args)]
@@ -232,7 +233,7 @@ def launched_server(port: int, server_args: str):
     print(f"launching: {shlex.join(cmd)} (log: {log.name})", flush=True)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.time() + 180
+        deadline = time.time() + start_timeout
         while not _healthy(port):
             if proc.poll() is not None or time.time() > deadline:
                 with open(log.name, errors="replace") as f:
@@ -270,6 +271,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--base-url", help="default http://127.0.0.1:30000; with --launch, a free port")
     p.add_argument("--api-key", default=os.environ.get("GRAMSYNC_API_KEY"), help="sent as a Bearer token")
     p.add_argument("--launch", action="store_true", help="start launch.py here, stop it at the end")
+    p.add_argument("--launch-timeout", type=float, default=900.0,
+                   help="--launch: seconds the server may take to start (compiling takes minutes)")
     p.add_argument("--server-args", default="", help='flags for launch.py, e.g. "--max-running-requests 8"')
     p.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "multi-turn"],
                    help="prompt shapes (serving_datasets.py)")
@@ -299,7 +302,7 @@ def main(argv=None) -> None:
     with contextlib.ExitStack() as stack:
         if args.launch:
             port = (urlparse(args.base_url).port if args.base_url else None) or free_port()
-            base_url = stack.enter_context(launched_server(port, args.server_args))
+            base_url = stack.enter_context(launched_server(port, args.server_args, args.launch_timeout))
         else:
             base_url = (args.base_url or "http://127.0.0.1:30000").rstrip("/")
         info = asyncio.run(server_info(base_url, args.api_key))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 class ForwardMode(Enum):
     EXTEND = "extend"  # prefill: each sequence adds extend_seq_lens[i] tokens after a cached prefix
     DECODE = "decode"  # one new token per sequence
+    # --enable-mixed-chunk: a DECODE part's rows first, then an EXTEND part's tokens, in one
+    # forward (``mixed_batch``); attention runs each part as its own mode.
+    MIXED = "mixed"
 
 
 @dataclass
@@ -39,7 +42,36 @@ class ForwardBatch:
     # Built once per step by the attention backend (DECODE): each row's KV slots, padded.
     decode_kv_slots: Optional[torch.Tensor] = None  # [B, S] int64
     decode_kv_valid: Optional[torch.Tensor] = None  # [B, S] bool
+    # torch_native decode attention's kernel for this batch (None: the eager one); a MIXED
+    # step's decode part gets the compiled prefill's (its decode graph is not in use).
+    decode_attention: Optional[Callable] = None
+    # MIXED: the two parts this batch concatenates (decode rows first).
+    decode_part: Optional["ForwardBatch"] = None
+    extend_part: Optional["ForwardBatch"] = None
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+def mixed_batch(decode: ForwardBatch, extend: ForwardBatch) -> ForwardBatch:
+    """One forward over a decode batch's rows and then an extend batch's tokens (SGLang's
+    mixed chunk). Token-wise tensors are concatenated; per-sequence metadata stays on the
+    parts, which attention reads (``decode_part`` / ``extend_part``). Logits: every decode
+    row, then the extend part's rows (its ``logit_rows``, or its last token per sequence)."""
+    cat = torch.cat
+    return ForwardBatch(
+        mode=ForwardMode.MIXED,
+        input_ids=cat([decode.input_ids, extend.input_ids]),
+        positions=cat([decode.positions, extend.positions]),
+        out_cache_loc=cat([decode.out_cache_loc, extend.out_cache_loc]),
+        req_pool_indices=cat([decode.req_pool_indices, extend.req_pool_indices]),
+        seq_lens=cat([decode.seq_lens, extend.seq_lens]),
+        seq_lens_cpu=decode.seq_lens_cpu + extend.seq_lens_cpu,
+        extend_seq_lens_cpu=decode.extend_seq_lens_cpu + extend.extend_seq_lens_cpu,
+        extend_prefix_lens_cpu=decode.extend_prefix_lens_cpu + extend.extend_prefix_lens_cpu,
+        req_to_token_pool=extend.req_to_token_pool,
+        token_to_kv_pool=extend.token_to_kv_pool,
+        decode_part=decode,
+        extend_part=extend,
+    )

@@ -19,6 +19,7 @@ from srt.compiled_prefill import CompiledPrefill
 from srt.cuda_graph_runner import CudaGraphRunner, real_length_inputs
 from srt.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention import create_attention_backend
+from srt.layers.attention.layer import prepare_attention
 from srt.layers.cpu_packed_linear import pack_linear_weights
 from srt.layers.quantization import apply_torchao_config
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -218,7 +219,7 @@ class ModelRunner:
         # Only once the whole warm-up (decode graphs too) is over: a recompile here while
         # the warm-up thread compiles with Inductor's global freezing flag on would fold
         # one layer's weights into a graph that every layer shares.
-        if (fb.mode is ForwardMode.EXTEND and prefill is not None and prefill.ready
+        if (fb.mode is not ForwardMode.DECODE and prefill is not None and prefill.ready
                 and (compiled is None or compiled.warmed_up)):
             return prefill(fb)
         graphs = self.cuda_graph_runner
@@ -227,8 +228,7 @@ class ModelRunner:
         return self.model.forward(fb)
 
     def _prepare(self, fb: ForwardBatch) -> None:
-        fb.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(fb)  # once per step, outside the layers
+        prepare_attention(self.attn_backend, fb)  # once per step, outside the layers
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,

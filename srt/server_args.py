@@ -57,6 +57,7 @@ class ServerArgs:
     max_queued_requests: Optional[int] = _f(None, "Most requests waiting to run (queued or compiling their grammar) per DP group; past it a new request gets 503 at once (SGLang's flag; default: unbounded).")
     chunked_prefill_size: Optional[int] = _f(None, "Most prompt tokens prefilled in one step while requests are decoding: a longer prompt is split into chunks, with a decode step for the running requests after each (with none running, a step takes up to --max-prefill-tokens). -1 disables. Default: 256 on CPU, 8192 on CUDA (docs/speed.md 'Chunked prefill').")
     max_prefill_tokens: int = _f(8192, "Token budget of one prefill batch (a longer single prompt still runs alone).")
+    enable_mixed_chunk: bool = _f(False, "Run each prefill chunk and the running requests' decode rows in one forward (SGLang's flag): decoding never pauses for an arriving prompt (docs/speed.md 'Mixed chunks').")
     stream_interval: int = _f(1, "Send stream chunks every this many decode steps.")
     random_seed: Optional[int] = _f(None, "Seed for unseeded sampling (default: random, shared by all ranks).")
     # Speed (docs/speed.md)

@@ -139,3 +139,40 @@ def test_compiled_prefill_scores_prompts_as_eager_does(schedulers, smollm2_token
     for g, w in zip(got, want):
         assert g[0] is None and w[0] is None and len(g) == len(w)
         assert max(abs(a - b) for a, b in zip(g[1:], w[1:])) < 1e-4
+
+
+def test_mixed_steps_through_the_compiled_prefill_match_eager(schedulers, smollm2_tokenizer):
+    """--enable-mixed-chunk: a prompt arriving while others decode is prefilled in the same
+    forward as their decode rows, through the compiled prefill and its compiled decode
+    attention; fp32 greedy tokens equal the eager scheduler's mixed steps."""
+    from sampling.sampling_params import SamplingParams
+    from srt.transport.io_struct import TokenizedGenerateReq
+
+    compiled, eager = schedulers
+    assert compiled.runner.compiled_decode.wait(timeout=600)
+    cp = compiled.runner.compiled_prefill
+    tok = smollm2_tokenizer
+    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 12, "ignore_eos": True})
+    outs = {}
+    for sched, tag in ((compiled, "cm"), (eager, "em")):
+        sched.mixed_chunk = True
+        sched.step_stats.reset()
+        steps_before = cp.steps
+        try:
+            ids = [tuple(tok(p)["input_ids"]) for p in ("Once upon a time", "The ocean is", "List three colours:")]
+            sched.process_input_requests([TokenizedGenerateReq(f"{tag}0", ids[0], params),
+                                          TokenizedGenerateReq(f"{tag}1", ids[1], params)])
+            reqs = dict(sched.reqs)
+            for _ in range(3):
+                sched.step()
+            sched.process_input_requests([TokenizedGenerateReq(f"{tag}2", ids[2], params)])
+            reqs.update(sched.reqs)
+            while sched.has_work():
+                sched.step()
+        finally:
+            sched.mixed_chunk = False
+        assert "MIXED" in sched.step_stats.by_mode
+        outs[tag] = [list(reqs[f"{tag}{i}"].output_ids) for i in range(3)]
+        if sched is compiled:
+            assert cp.steps > steps_before and cp.ready  # compiled, no fallback
+    assert outs["cm"] == outs["em"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from srt.layers.attention import create_attention_backend
-from srt.layers.attention.torch_native import TorchNativeAttnBackend
+from srt.layers.attention.torch_native import TorchNativeAttnBackend, decode_attention
 from srt.server_args import ServerArgs
 
 
@@ -23,7 +23,8 @@ def _decode_case(batch: int, seq: int, dtype=torch.float32):
     slots = (torch.randperm(pool - 1)[: batch * seq] + 1).view(batch, seq)
     valid = torch.arange(seq)[None] < lens[:, None]
     fb = SimpleNamespace(token_to_kv_pool=SimpleNamespace(k_buffer=[kb], v_buffer=[vb]),
-                         decode_kv_slots=torch.where(valid, slots, slots[:, :1]), decode_kv_valid=valid)
+                         decode_kv_slots=torch.where(valid, slots, slots[:, :1]), decode_kv_valid=valid,
+                         decode_attention=None)
     return layer, fb, torch.randn(batch, heads, d, dtype=dtype), slots, lens
 
 
@@ -31,12 +32,18 @@ def test_compiled_decode_attention_matches_eager_and_reference():
     """Decode attention compiled (dynamic shapes, as in the compiled step) == eager == SDPA."""
     backend = TorchNativeAttnBackend()
     compiled = torch.compile(lambda q, layer, fb: backend.forward_decode(q, layer, fb), dynamic=True)
+    kernel = torch.compile(decode_attention, dynamic=True)
     for batch, seq in ((3, 17), (5, 40)):  # two shapes: the dynamic graph is reused
         layer, fb, q, slots, lens = _decode_case(batch, seq)
         with torch.inference_mode():
             eager = backend.forward_decode(q, layer, fb)
             fused = compiled(q, layer, fb)
         torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
+        # The kernel alone, compiled once for every layer (a MIXED step's decode rows).
+        fb.decode_attention = kernel
+        with torch.inference_mode():
+            torch.testing.assert_close(backend.forward_decode(q, layer, fb), eager, rtol=1e-5, atol=1e-5)
+        fb.decode_attention = None
         for b in range(batch):  # and both == SDPA over each sequence's own keys
             s = slots[b, : lens[b]]
             k, v = fb.token_to_kv_pool.k_buffer[0][:, s][None], fb.token_to_kv_pool.v_buffer[0][:, s][None]

@@ -146,6 +146,14 @@ class DecoderModel(nn.Module):
         return h + residual  # pre-norm hidden states; CausalLM normalises the rows it needs
 
 
+def _extend_rows(fb: ForwardBatch, device) -> torch.Tensor:
+    """An extend batch's rows that need logits: ``logit_rows`` (prompt logprobs) or the
+    last new token of each sequence."""
+    if fb.logit_rows is not None:
+        return torch.tensor(fb.logit_rows, device=device)
+    return torch.tensor(fb.extend_seq_lens_cpu, device=device).cumsum(0) - 1
+
+
 class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup(), dtype: Optional[torch.dtype] = None):
         super().__init__()
@@ -162,12 +170,12 @@ class CausalLM(nn.Module):
         and the caller upcasts the few it samples from. ``halves``: see DecoderModel."""
         h = self.model(fb, halves)
         head = CausalLM.logits if halves is None else halves.head
+        if fb.mode == ForwardMode.MIXED and not fb.return_all_logits:
+            ext, d = fb.extend_part, fb.decode_part.batch_size  # every decode row, then extend's
+            rows = torch.cat([torch.arange(d, device=h.device), d + _extend_rows(ext, h.device)])
+            return head(self, h[rows], ext.logit_rows is None)
         if fb.mode == ForwardMode.EXTEND and not fb.return_all_logits:
-            if fb.logit_rows is not None:
-                rows = torch.tensor(fb.logit_rows, device=h.device)
-                return head(self, h[rows], False)
-            rows = torch.tensor(fb.extend_seq_lens_cpu, device=h.device).cumsum(0) - 1
-            h = h[rows]
+            return head(self, h[_extend_rows(fb, h.device)], fb.logit_rows is None)
         return head(self, h, True)
 
     def logits(self, h: torch.Tensor, float32: bool) -> torch.Tensor:

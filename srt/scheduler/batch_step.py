@@ -39,6 +39,7 @@ class BatchStep:
     info: Optional[SamplingBatchInfo] = None
     next_ids: Optional[torch.Tensor] = None
     has_grammar: bool = False  # any request in the batch has one: its time counts as grammar
+    chunked: bool = False  # a prefill whose last request was a mid-prompt chunk (it left)
 
     @property
     def mask_fill_seconds(self) -> float:
@@ -53,48 +54,76 @@ class BatchStepMixin:
 
     def _run_batch(self, mode: ForwardMode, reqs: list[Req]) -> None:
         """prepare -> forward -> sample -> process results -> update the running set.
-        A prefill chunk leaves ``reqs`` (the caller's list): it has no output this step."""
+        A prefill chunk leaves ``reqs`` (the caller's list): it has no output this step.
+        MIXED (``reqs``: the running requests, then new ones): one forward, then the decode
+        part and the prefill part go through the later phases in that order."""
         stats = self.step_stats
-        step = self._prepare(mode, reqs)
+        steps, fb = self._prepare(mode, reqs)
         with stats.phase("forward"):
-            self._forward(step)
-        with stats.phase("sampling") as sampling:
-            if not self._drop_unsampled(step):  # nothing to sample: only the forward is timed
-                sampling.cancel()
-                return
-            self._sample(step)
-        # Filling the mask is grammar work (applying it is sampling).
-        stats.move("sampling", "grammar", step.mask_fill_seconds)
-        with stats.phase("grammar", counted=step.has_grammar):
-            self._process_results(step)
-        self._update_running(step)
+            self._forward(steps, fb)
+        for step in steps:
+            with stats.phase("sampling") as sampling:
+                if not self._drop_unsampled(step):  # nothing to sample: only the forward is timed
+                    sampling.cancel()
+                    continue
+                self._sample(step)
+            # Filling the mask is grammar work (applying it is sampling).
+            stats.move("sampling", "grammar", step.mask_fill_seconds)
+            with stats.phase("grammar", counted=step.has_grammar):
+                self._process_results(step)
+            self._update_running(step)
+        if mode is ForwardMode.MIXED and steps[-1].chunked:
+            reqs.pop()  # the chunked request, last in the caller's list too
 
-    def _prepare(self, mode: ForwardMode, reqs: list[Req]) -> BatchStep:
-        """KV slots and the forward batch: a prefill's with the rows prompt logprobs need."""
+    def _prepare(self, mode: ForwardMode, reqs: list[Req]) -> tuple[list[BatchStep], ForwardBatch]:
+        """KV slots and the forward batch (a prefill's with the rows prompt logprobs need);
+        one BatchStep per part of it."""
+        n = len(reqs) if mode is ForwardMode.DECODE else len(self.running) if mode is ForwardMode.MIXED else 0
+        counts = [r.uncomputed_tokens for r in reqs[:n]]  # decode rows per request, before their KV slots
         if mode is ForwardMode.EXTEND:
             fb = self.kv.prepare_extend(reqs)
-            fb.logit_rows, plan = plan_prompt_logprobs(reqs, fb.extend_seq_lens_cpu,
-                                                       fb.extend_prefix_lens_cpu)
-            now = time.monotonic()
-            for r in reqs:
-                r.first_scheduled_time = r.first_scheduled_time or now
-            step = BatchStep(mode, reqs, fb, prompt_plan=plan)
+            steps = [self._extend_step(reqs, fb)]
+        elif mode is ForwardMode.DECODE:
+            fb = self.kv.prepare_decode(reqs)
+            steps = [self._decode_step(reqs, fb, counts)]
         else:
-            counts = [r.uncomputed_tokens for r in reqs]
-            step = BatchStep(mode, reqs, self.kv.prepare_decode(reqs), row_counts=counts)
-            # The grammars are settled until this step's tokens are accepted: fill their
-            # bitmask while the forward runs.
-            self.running_info.start_vocab_mask_fill(self.mask_executor)
+            fb = self.kv.prepare_mixed(reqs[:n], reqs[n:])
+            steps = [self._decode_step(reqs[:n], fb.decode_part, counts),
+                     self._extend_step(reqs[n:], fb.extend_part)]
         self.batch_log.record(mode.name, (r.rid for r in reqs))
-        return step
+        return steps, fb
 
-    def _forward(self, step: BatchStep) -> None:
-        """The model's forward: prompt logprobs are recorded, one logits row per request kept."""
+    def _extend_step(self, reqs: list[Req], fb: ForwardBatch) -> BatchStep:
+        fb.logit_rows, plan = plan_prompt_logprobs(reqs, fb.extend_seq_lens_cpu,
+                                                   fb.extend_prefix_lens_cpu)
+        now = time.monotonic()
+        for r in reqs:
+            r.first_scheduled_time = r.first_scheduled_time or now
+        return BatchStep(ForwardMode.EXTEND, reqs, fb, prompt_plan=plan)
+
+    def _decode_step(self, reqs: list[Req], fb: ForwardBatch, counts: list[int]) -> BatchStep:
+        # The grammars are settled until this step's tokens are accepted: fill their
+        # bitmask while the forward runs.
+        self.running_info.start_vocab_mask_fill(self.mask_executor)
+        return BatchStep(ForwardMode.DECODE, reqs, fb, row_counts=counts)
+
+    def _forward(self, steps: list[BatchStep], fb: ForwardBatch) -> None:
+        """The model's forward; each part takes its rows of the logits."""
+        logits = self.runner.forward(fb)
+        if fb.mode is ForwardMode.MIXED:
+            d = fb.decode_part.batch_size  # decode rows come first
+            self._take_logits(steps[0], logits[:d])
+            self._take_logits(steps[1], logits[d:])
+        else:
+            self._take_logits(steps[0], logits)
+
+    def _take_logits(self, step: BatchStep, logits: torch.Tensor) -> None:
+        """Prompt logprobs are recorded; one float32 logits row per request is kept."""
         n = len(step.reqs)
-        logits = self.runner.forward(step.fb)
         if step.prompt_plan:  # rows past the batch's last-per-sequence ones: prompt logprobs
             record_prompt_logprobs(step.prompt_plan, logits[n:], self.rank_info.is_entry_rank)
-            logits = logits[:n].float()  # rows came in the model's dtype
+            logits = logits[:n]
+        logits = logits.float()  # rows came in the model's dtype with prompt logprobs (no-op else)
         if step.mode is ForwardMode.DECODE and step.fb.batch_size != n:
             # Fast-forwarded requests fed several rows: sample from each one's last row.
             logits = logits[torch.tensor(step.row_counts).cumsum(0) - 1]
@@ -112,6 +141,7 @@ class BatchStepMixin:
             chunked = reqs.pop()
             chunked.extend_limit = None
             self.waiting.appendleft(chunked)
+            step.chunked = True
             self._decode_next = True
             step.logits = step.logits[:len(reqs)]
             if not reqs:

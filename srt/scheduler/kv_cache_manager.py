@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.forward_batch import ForwardBatch, ForwardMode, mixed_batch
 from srt.scheduler.req import Req
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.mem_cache.radix_cache import RadixCache
@@ -117,6 +117,11 @@ class KVCacheManager:
         seq_lens = [p + 1 for p in positions]
         return self._batch(ForwardMode.DECODE, reqs, ids, positions, out_loc, seq_lens,
                            [1] * total, positions, rows=rows, pos_t=pos_t)
+
+    def prepare_mixed(self, decode_reqs: list[Req], extend_reqs: list[Req]) -> ForwardBatch:
+        """The running requests' decode rows and the new requests' prefill in one forward
+        (--enable-mixed-chunk); slots are taken in that order. Caller checked capacity."""
+        return mixed_batch(self.prepare_decode(decode_reqs), self.prepare_extend(extend_reqs))
 
     def _batch(self, mode, reqs, ids, positions, out_loc, seq_lens, extend_lens, prefix_lens,
                rows=None, pos_t=None) -> ForwardBatch:

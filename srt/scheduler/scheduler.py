@@ -72,6 +72,8 @@ class Scheduler(BatchStepMixin):
         self.num_retractions = 0
         self.chunk_size = resolve_chunk_size(server_args.chunked_prefill_size, r.device)
         self._decode_next = False  # after a prefill chunk, running requests decode first
+        # --enable-mixed-chunk: a prefill batch carries the running requests' decode rows.
+        self.mixed_chunk = server_args.enable_mixed_chunk
         backend = create_grammar_backend(server_args, tokenizer, self.vocab_size,
                                          tuple(model_config.eos_token_ids))
         self.grammar_manager = GrammarManager(backend, tp, **self.grammar_manager_kwargs())
@@ -208,7 +210,7 @@ class Scheduler(BatchStepMixin):
             return control + self._make_outputs(touched)
         mode, reqs = batch
         if self.metrics_reporter is not None:
-            self.metrics_reporter.before_batch(mode is ForwardMode.EXTEND, reqs)
+            self.metrics_reporter.before_batch(mode is not ForwardMode.DECODE, reqs)
         self._run_batch(mode, reqs)  # a prefill chunk leaves reqs: it has no output yet
         if self.metrics_reporter is not None:
             self.metrics_reporter.after_batch(reqs)
@@ -226,11 +228,15 @@ class Scheduler(BatchStepMixin):
             self.pending_outputs.append(req)
 
     def _get_next_batch_to_run(self) -> Optional[tuple[ForwardMode, list[Req]]]:
+        mixed = self.mixed_chunk and bool(self.running)
         if self._decode_next:  # alternate chunks with decode steps: no decode starves
             self._decode_next = False
-            batch = self._decode_batch() if self.running else None
+            batch = self._decode_batch() if self.running and not mixed else None
             if batch is not None:
                 return batch
+        if mixed:  # the running requests' slots first: they decode in the same forward
+            self._ensure_decode_capacity()
+            mixed = bool(self.running)
         adder = PrefillAdder(self.running, self.kv.available_tokens(),
                              self.server_args.max_running_requests,
                              self.server_args.max_prefill_tokens, self.clip_new_tokens,
@@ -239,6 +245,8 @@ class Scheduler(BatchStepMixin):
         if new_reqs:
             for _ in new_reqs:
                 self.waiting.popleft()
+            if mixed:
+                return ForwardMode.MIXED, list(self.running) + new_reqs
             return ForwardMode.EXTEND, new_reqs
         return self._decode_batch() if self.running else None
 

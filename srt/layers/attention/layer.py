@@ -30,10 +30,23 @@ class Attention(nn.Module):
         if backend is None:  # a hand-built batch (tests): the CPU reference path
             from srt.layers.attention.torch_native import TorchNativeAttnBackend
 
-            backend = fb.attn_backend = TorchNativeAttnBackend()
-            backend.init_forward_metadata(fb)
+            backend = TorchNativeAttnBackend()
+            prepare_attention(backend, fb)
         if fb.mode == ForwardMode.DECODE:
             out = backend.forward_decode(q, self, fb)
+        elif fb.mode == ForwardMode.MIXED:  # every row's K/V is in the pool: parts attend apart
+            d = fb.decode_part.batch_size
+            out = torch.cat([backend.forward_decode(q[:d], self, fb.decode_part),
+                             backend.forward_extend(q[d:], k[d:], v[d:], self, fb.extend_part)])
         else:
             out = backend.forward_extend(q, k, v, self, fb)
         return out.reshape(T, self.num_heads * D)
+
+
+def prepare_attention(backend, fb: ForwardBatch) -> None:
+    """Give the batch (and a MIXED batch's parts) its backend and this step's metadata, once
+    per step, outside the layers."""
+    for part in (fb, fb.decode_part, fb.extend_part):
+        if part is not None:
+            part.attn_backend = backend
+            backend.init_forward_metadata(part)

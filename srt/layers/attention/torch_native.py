@@ -39,20 +39,11 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     # -- decode ---------------------------------------------------------------------
     def forward_decode(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
-        k_buf = fb.token_to_kv_pool.k_buffer[layer.layer_id]
-        v_buf = fb.token_to_kv_pool.v_buffer[layer.layer_id]
-        slots, valid = fb.decode_kv_slots, fb.decode_kv_valid
-        B, S = slots.shape
-        KVH, D = layer.num_kv_heads, layer.head_dim
-        qg = q.view(B, KVH, layer.num_heads // KVH, D).transpose(0, 1)  # [KVH, B, G, D]
-        flat = slots.reshape(-1)
-        k = k_buf.index_select(1, flat).view(KVH, B, S, D)
-        v = v_buf.index_select(1, flat).view(KVH, B, S, D)
-        scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(layer.scaling)  # [KVH, B, G, S]
-        scores.masked_fill_(~valid.view(1, B, 1, S), float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        out = torch.matmul(probs, v)  # [KVH, B, G, D]
-        return out.transpose(0, 1).reshape(B, layer.num_heads, D)
+        # A MIXED step's decode rows may bring a compiled kernel (compiled_prefill.py).
+        kernel = fb.decode_attention or decode_attention
+        return kernel(q, fb.token_to_kv_pool.k_buffer[layer.layer_id],
+                      fb.token_to_kv_pool.v_buffer[layer.layer_id], fb.decode_kv_slots,
+                      fb.decode_kv_valid, layer.num_kv_heads, layer.scaling)
 
     # -- prefill ----------------------------------------------------------------------
     def forward_extend(self, q, k, v, layer, fb: ForwardBatch) -> torch.Tensor:
@@ -81,3 +72,21 @@ class TorchNativeAttnBackend(AttentionBackend):
             out[start:end] = o[0].transpose(0, 1)
             start = end
         return out
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+                     valid: torch.Tensor, num_kv_heads: int, scaling: float) -> torch.Tensor:
+    """q ``[B, H, D]`` against each row's keys (``slots``/``valid`` ``[B, S]``) in one
+    layer's pool ``[KVH, N, D]``. No layer object: one compiled graph serves every layer."""
+    B, S = slots.shape
+    H, D = q.shape[1], q.shape[2]
+    KVH = num_kv_heads
+    qg = q.view(B, KVH, H // KVH, D).transpose(0, 1)  # [KVH, B, G, D]
+    flat = slots.reshape(-1)
+    k = k_buf.index_select(1, flat).view(KVH, B, S, D)
+    v = v_buf.index_select(1, flat).view(KVH, B, S, D)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scaling)  # [KVH, B, G, S]
+    scores.masked_fill_(~valid.view(1, B, 1, S), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    out = torch.matmul(probs, v)  # [KVH, B, G, D]
+    return out.transpose(0, 1).reshape(B, H, D)

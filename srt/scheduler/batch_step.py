@@ -5,6 +5,10 @@ overlaps the forward) -> forward -> sample (TP ranks agree on the token when gra
 in the batch) -> process results (grammar accept, fast-forward, finish and release) ->
 update the running set (prefilled prompts enter the prefix cache).
 
+A MIXED batch (--enable-mixed-chunk) is two BatchSteps sharing one forward: the running
+requests' decode part, then the new requests' prefill part; each goes through sampling,
+results and the running-set update as its own step would, decode part first.
+
 Every rank runs the same phases on the same batch; ``StepStats`` times them.
 """
 from __future__ import annotations
@@ -31,7 +35,7 @@ logger = logging.getLogger(__name__)
 class BatchStep:
     """One batch on its way through the phases; each phase fills in its part."""
     mode: ForwardMode
-    reqs: list[Req]  # the caller's list (a chunk is popped from it), then those that sample
+    reqs: list[Req]  # the caller's list or its part of it (a chunk is popped), then those that sample
     fb: ForwardBatch
     prompt_plan: list[PromptLogprobRows] = field(default_factory=list)
     row_counts: Optional[list[int]] = None  # decode: rows per request (> 1 after a fast-forward)

@@ -110,6 +110,13 @@ def _wait_healthy(proc, base: str, log_path) -> bool:
         time.sleep(0.1)  # a start takes ~10 s: poll often, so no test waits on the poll
 
 
+# The shared servers run fp32 on every machine: their tests compare greedy tokens across
+# batch compositions and logprobs against transformers, which bf16 (the default where the
+# CPU has AVX512-BF16) does not keep equal (measured on an AMX Xeon: flaky greedy ties, one
+# prompt logprob 0.35 nats off transformers' bf16).
+FP32_SERVER = ("--dtype", "float32")
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, smollm2_dir):
     """ONE real server shared by the whole session: --grammar-backend xgrammar (pinned: the
@@ -121,7 +128,7 @@ def server(tmp_path_factory, smollm2_dir):
     # cores. The pool is tested by test_grammar_pool.py and serves every other server here.
     yield from _launch_server(tmp_path_factory, smollm2_dir,
                               ["--grammar-backend", "xgrammar", "--enable-custom-logit-processor",
-                               "--enable-metrics"], {"GRAMSYNC_GRAMMAR_COMPILE_WORKERS": "0"})
+                               "--enable-metrics", *FP32_SERVER], {"GRAMSYNC_GRAMMAR_COMPILE_WORKERS": "0"})
 
 
 @pytest.fixture(scope="session")
@@ -148,7 +155,7 @@ def server_llguidance(tmp_path_factory, smollm2_dir):
 def server_auto(tmp_path_factory, smollm2_dir):
     """A real server with --grammar-backend auto, the default (xgrammar, per-request
     llguidance fallback)."""
-    yield from _launch_server(tmp_path_factory, smollm2_dir, ["--grammar-backend", "auto"])
+    yield from _launch_server(tmp_path_factory, smollm2_dir, ["--grammar-backend", "auto", *FP32_SERVER])
 
 
 def pytest_collection_modifyitems(config, items):

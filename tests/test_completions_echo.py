@@ -12,14 +12,13 @@ import httpx
 import pytest
 import torch
 
-from srt.model_runner import cpu_has_native_bf16
 
 PROMPTS = ["The capital of France is Paris.", "Water boils at 100 degrees", "One, two, three, four"]
 # Server vs in-process logprobs in the same dtype. Measured: bfloat16 agrees with
 # transformers' bfloat16 to 2e-5 (but is 0.26 from float64: bf16 rounding); float32 sums in
 # another order (TP=2 splits the sums) and agrees to ~1e-4.
 TOL = {torch.float32: 2e-3, torch.bfloat16: 1e-2}
-SERVER_DTYPE = torch.bfloat16 if cpu_has_native_bf16() else torch.float32  # --dtype auto
+SERVER_DTYPE = torch.float32  # the shared server's (conftest.FP32_SERVER)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@
 One ``Scheduler`` is built with the server's compile flags (``--enable-torch-compile
 --wait-for-torch-compile``: the compiled prefill is ready when it returns); each round
 scores the same prompts (bench_scoring.py's, ``max_new_tokens`` 0, prompt logprobs) once
-with the compiled prefill and once with it switched off (``runner.compiled_prefill`` set
+with the compiled prefill and once with it switched off (``runner.compiled_switch.prefill`` set
 to None, so ``ModelRunner.forward`` prefills eagerly), in alternating order. Prints each
 round's tokens/s, the medians and their ratio; run it once per dtype (the default dtype
 follows the CPU: bf16 with avx512_bf16, else fp32).
@@ -54,10 +54,10 @@ def main() -> None:
     for r in range(args.rounds):
         order = ("compiled", "eager") if r % 2 == 0 else ("eager", "compiled")
         for name in order:
-            runner.compiled_prefill = compiled if name == "compiled" else None
+            runner.compiled_switch.prefill = compiled if name == "compiled" else None
             tok_s[name].append(n_tokens / ip.timed_round())
             print(f"  round {r}: {name:<9}{tok_s[name][-1]:8.1f} tok/s", flush=True)
-    runner.compiled_prefill = compiled
+    runner.compiled_switch.prefill = compiled
     if not compiled.ready:
         raise SystemExit("the compiled prefill fell back to eager during the rounds")
     med = {k: statistics.median(v) for k, v in tok_s.items()}

@@ -91,14 +91,14 @@ def breakdown(sched, prompts_ids, concurrency: int, new_tokens: int, eager_split
     if not eager_split:
         return row
     runner = sched.runner
-    compiled, runner.compiled_decode = runner.compiled_decode, None
+    compiled, runner.compiled_switch.decode = runner.compiled_switch.decode, None
     totals = {"attention": 0.0, "linear": 0.0}
     try:
         with _module_timers(runner.model, totals):
             eager_steps = _decode(sched, batch, min(new_tokens, 16), f"e{concurrency}",
                                   on_decode_start=lambda: totals.update(attention=0.0, linear=0.0))
     finally:
-        runner.compiled_decode = compiled
+        runner.compiled_switch.decode = compiled
     n = len(eager_steps)
     forward = sched.step_stats.mode("DECODE").seconds["forward"]  # reset after prefill
     row["eager_step_ms"] = 1e3 * statistics.median(eager_steps)

@@ -9,7 +9,8 @@ At TP group size 1 no group is created (see ``distributed/process_groups.py``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
@@ -84,6 +85,11 @@ class TPGroup:
     # distributed.shm_collectives.ShmCollectives where the group's ranks share a CPU
     # machine: the tensor collectives go through shared memory instead of gloo.
     shm: Optional[Any] = None
+    # Names the group to the compiled steps' collective ops (distributed/traceable_collectives.py).
+    name: str = "tp"
+    # Per thread: ``without_peers`` (a compile warm-up beside the serving thread) sets
+    # ``local.without_peers`` so that thread's collectives stay local.
+    local: threading.local = field(default_factory=threading.local, compare=False, repr=False)
 
     @property
     def is_single(self) -> bool:

@@ -61,7 +61,7 @@ def init_process_groups(rank: RankInfo, cfg: DistConfig) -> tuple[TPGroup, Optio
         # Separate even on CPU: control messages never queue behind tensor traffic.
         cpu = dist.new_group(ranks, timeout=timeout, backend="gloo")
         if dp == rank.dp_rank:
-            mine = TPGroup(rank.tp_rank, rank.tp_size, device, cpu)
+            mine = TPGroup(rank.tp_rank, rank.tp_size, device, cpu, name=f"tp_dp{dp}")
     assert mine is not None
     if backend == "gloo" and _tp_group_on_one_node(rank):
         from distributed.shm_collectives import create_shm_collectives
@@ -69,6 +69,9 @@ def init_process_groups(rank: RankInfo, cfg: DistConfig) -> tuple[TPGroup, Optio
         shm = create_shm_collectives(rank.tp_rank, rank.tp_size, mine.cpu_group, cfg.timeout_s,
                                      cfg.shm_collectives, rank.log_prefix)
         mine = dataclasses.replace(mine, shm=shm)
+    from distributed.traceable_collectives import register_group
+
+    register_group(mine)  # the compiled steps' collectives find it by name
     return mine, world
 
 

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import psutil
 import torch
 
-from distributed.communication import tp_min_int
+from distributed.communication import tp_min_int, without_peers
 from distributed.parallel_state import RankInfo, TPGroup
 from sampling.logprobs import log_softmax_rows
 from sampling.sampler import Sampler
@@ -16,6 +16,7 @@ from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
 from srt.compiled_decode import CompiledDecode
 from srt.compiled_prefill import CompiledPrefill
+from srt.compiled_switch import CompiledSwitch
 from srt.cuda_graph_runner import CudaGraphRunner, real_length_inputs
 from srt.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention import create_attention_backend
@@ -82,15 +83,16 @@ class ModelRunner:
             self.compiled_decode = CompiledDecode(
                 self.model, min(server_args.torch_compile_max_bs, self.max_running_requests),
                 rank_info.log_prefix)
-            # TP=1 only: compiled and eager prefill round differently, and ranks that
-            # switched at different steps would hold different logits.
-            if self.tp.is_single and self.device == "cpu":
+            if self.device == "cpu":
                 self.compiled_prefill = CompiledPrefill(self.model, rank_info.log_prefix)
-            # TP=1: nobody to stay in step with, so serve eagerly while it compiles.
-            background = self.tp.is_single and not server_args.wait_for_torch_compile
+            # Serve eagerly while it compiles; at TP > 1 the ranks switch in one agreed
+            # step (CompiledSwitch), and the warm-up's collectives stay local.
+            background = not server_args.wait_for_torch_compile
             prefill = self.compiled_prefill
             self.compiled_decode.start(self._run_warm_up_step, background=background,
                                        first=partial(prefill.warm_up, self._run_warm_up_prefill) if prefill else None)
+        self.compiled_switch = CompiledSwitch(self.compiled_decode, self.compiled_prefill, tp,
+                                              rank_info.log_prefix)
         self.cuda_graph_runner = self._capture_cuda_graphs() if self._want_cuda_graph() else None
 
     def _cpu_int4(self) -> bool:
@@ -102,10 +104,10 @@ class ModelRunner:
             return False
         if args.enable_torch_compile:
             return True
-        # auto: measured faster on CPU at TP=1 (docs/speed.md); CUDA graphs are not built
-        # yet; torchao's quantized tensors took over 5 minutes to compile here.
+        # auto: measured faster on CPU (docs/speed.md); on CUDA, CUDA graphs instead;
+        # torchao's quantized tensors took over 5 minutes to compile here.
         return (environ.GRAMSYNC_TORCH_COMPILE_AUTO.get() and self.device == "cpu"
-                and self.tp.is_single and not args.torchao_config)
+                and not args.torchao_config)
 
     def _want_cuda_graph(self) -> bool:
         args = self.server_args
@@ -147,7 +149,7 @@ class ModelRunner:
 
     def _run_warm_up_step(self, bs: int) -> None:
         fb = self._warm_up_batch(bs)  # made as the scheduler makes batches: normal tensors
-        with torch.inference_mode():  # then exactly as forward() runs a decode step
+        with torch.inference_mode(), without_peers(self.tp):  # as forward() runs a decode step
             self._prepare(fb)
             self.compiled_decode(fb)
 
@@ -161,7 +163,7 @@ class ModelRunner:
                           torch.zeros(len(lens), dtype=torch.int64, device=dev),
                           torch.tensor(lens, device=dev), list(lens), list(lens), [0] * len(lens),
                           self.req_to_token_pool, self.token_to_kv_pool, logit_rows=logit_rows)
-        with torch.inference_mode():  # as forward() runs it
+        with torch.inference_mode(), without_peers(self.tp):  # as forward() runs it
             self._prepare(fb)
             self.compiled_prefill(fb)
 
@@ -212,16 +214,12 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         self._prepare(fb)
-        compiled = self.compiled_decode
-        if fb.mode is ForwardMode.DECODE and compiled is not None and compiled.can_run(fb):
-            return compiled(fb)
-        prefill = self.compiled_prefill
-        # Only once the whole warm-up (decode graphs too) is over: a recompile here while
-        # the warm-up thread compiles with Inductor's global freezing flag on would fold
-        # one layer's weights into a graph that every layer shares.
-        if (fb.mode is not ForwardMode.DECODE and prefill is not None and prefill.ready
-                and (compiled is None or compiled.warmed_up)):
-            return prefill(fb)
+        switch = self.compiled_switch
+        if fb.mode is ForwardMode.DECODE:
+            if switch.use_decode(fb):
+                return self.compiled_decode(fb)
+        elif switch.use_prefill():
+            return self.compiled_prefill(fb)
         graphs = self.cuda_graph_runner
         if graphs is not None and graphs.can_run(fb):
             return graphs(fb)

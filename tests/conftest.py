@@ -52,9 +52,11 @@ def fp32_engine(smollm2_dir):
         yield eng
 
 
-def _launch_server(tmp_path_factory, model_dir: str, extra_args: list[str], env: dict | None = None):
+def _launch_server(tmp_path_factory, model_dir: str, extra_args: list[str], env: dict | None = None,
+                   log_paths: list | None = None):
     """Yield the base URL of a real server (`python launch.py`, embedded SmolLM2 on CPU);
-    ``env`` adds environment variables for the server's processes. The free port is
+    ``env`` adds environment variables for the server's processes; ``log_paths`` (a list)
+    gets the path of the server's combined output. The free port is
     picked before the server binds it, so another process can take it in between: then
     it starts again on a new port."""
     for _ in range(3):
@@ -73,6 +75,8 @@ def _launch_server(tmp_path_factory, model_dir: str, extra_args: list[str], env:
         base = f"http://127.0.0.1:{port}"
         try:
             if _wait_healthy(proc, base, log_path):
+                if log_paths is not None:
+                    log_paths.append(log_path)
                 break
         except BaseException:
             stop_process_group(proc)

@@ -109,10 +109,40 @@ def _missing_rank(tp: TPGroup) -> str:
     return "no error"
 
 
+def _compiled_collectives(tp: TPGroup) -> dict:
+    from distributed.communication import tp_all_gather_last_dim, tp_all_reduce, without_peers
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = tp_all_reduce(x * 2.0, tp) + 1.0
+        return y, tp_all_gather_last_dim(y * 3.0, tp)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    x = _tensor(tp.rank, 7, (3, 576), torch.float32)
+    if tp.rank == 0:  # alone: rank 1 is not in this call, and it must not wait for it
+        with without_peers(tp):
+            local_alone = torch.equal(compiled(x)[0], x * 2.0 + 1.0)
+    else:
+        local_alone = True
+    before = tp.shm.seq
+    got = compiled(x)
+    via_segment = tp.shm.seq == before + 2
+    want = step(x)
+    return {"reduce_equal": torch.equal(got[0], want[0]), "gather_equal": torch.equal(got[1], want[1]),
+            "via_segment": via_segment, "local_alone": local_alone}
+
+
+def _agreement(tp: TPGroup) -> list:
+    from distributed.compile_agreement import agree_on_compiled_steps
+
+    mine = {0: [[2, 2], [2, 1], [2, 2]], 1: [[0, 2], [2, 2], [2, 2]]}[tp.rank]
+    return [agree_on_compiled_steps(states, tp) for states in mine]
+
+
 def _tp2_worker(info: RankInfo, tp: TPGroup, world) -> dict:
     """Every TP=2 check in one world (a spawned world costs seconds of imports)."""
     return {"has_shm": tp.shm is not None, "gloo": _equal_to_gloo(info, tp),
             "wrong": _wrong_in_many_ops(tp, 400), "oversize": _oversize(tp),
+            "compiled": _compiled_collectives(tp), "agreement": _agreement(tp),
             "unwilling": [_unwilling(tp, r) for r in (0, 1)], "missing": _missing_rank(tp)}
 
 
@@ -169,16 +199,16 @@ def test_a_tp_group_spanning_nodes_keeps_gloo():
     assert _tp_group_on_one_node(RankInfo.for_world_rank(3, 4, 1, nnodes=1))
 
 
-def test_a_compiled_step_keeps_torchs_traceable_collective():
-    """While torch.compile traces (the compiled steps at TP > 1), the layers call
-    dist.all_reduce, which dynamo can trace; eager steps use the segment."""
-    from distributed.communication import _shm_usable
+def test_compiled_steps_call_the_segment_through_custom_ops(tp2):
+    """A torch.compile'd (Inductor, fullgraph: no graph break) function over the layers'
+    collectives gives the eager bits at TP=2; its ops reach the segment, whose operation
+    count moved; ``without_peers`` keeps one rank's call local without its peer."""
+    for rank, res in tp2[0].items():
+        assert res["compiled"] == {"reduce_equal": True, "gather_equal": True, "via_segment": True,
+                                   "local_alone": True}, (rank, res["compiled"])
 
-    group = TPGroup(rank=0, size=2, shm=object())
 
-    def uses_shm(x: torch.Tensor) -> torch.Tensor:
-        return x + (1 if _shm_usable(group) else 0)
-
-    assert uses_shm(torch.zeros(1)).item() == 1
-    assert torch.compile(uses_shm, backend="eager")(torch.zeros(1)).item() == 0
-    assert not _shm_usable(TPGroup(rank=0, size=2))
+def test_ranks_agree_on_the_compiled_steps_by_their_minimum(tp2):
+    """distributed/compile_agreement.py: pending anywhere -> pending; failed anywhere -> unused."""
+    assert {r: res["agreement"] for r, res in tp2[0].items()} == {
+        0: [[0, 2], [2, 1], [2, 2]], 1: [[0, 2], [2, 1], [2, 2]]}

@@ -5,6 +5,9 @@ One line per batch: ``<step> <mode> <rid>,<rid>,...``, written to
 agreement (TP > 1, grammars in the batch), a line ``<step> AGREE <mismatches>``: how many
 of this rank's own samples differed from the agreed ids (expected: always 0); after a
 batch whose grammars forced tokens, ``<step> FORCED <row>:<token>,...``; with the
+compiled steps at TP > 1, once, before the first batch that may use them, ``<step> COMPILED
+decode=<0|1> prefill=<0|1>``: the step every rank switched in, and which compiled steps
+it uses (0: stays eager); with the
 radix cache on, ``<step> CACHE <digest> <evicted>`` after every batch: a hash of the whole
 prefix tree (keys, slots, locks) once the batch's requests were cached or released, and
 the tokens evicted so far. The ranks of a TP group must write identical files:
@@ -48,6 +51,10 @@ class BatchLog:
     def record_agreement(self, mismatches: int) -> None:
         if self._file is not None:
             self._file.write(f"{self._step - 1} AGREE {mismatches}\n")
+
+    def record_compiled(self, decode: bool, prefill: bool) -> None:
+        if self._file is not None:
+            self._file.write(f"{self._step} COMPILED decode={int(decode)} prefill={int(prefill)}\n")
 
     def record_cache(self, digest: Callable[[], str], evicted: int) -> None:
         """``digest`` is only computed when the log is on (it walks the whole tree)."""

@@ -1,7 +1,8 @@
 """The scheduler every rank runs: the same loop, in the same order, on identical inputs.
 
 Per iteration: receive (entry rank) and broadcast new requests and aborts -> poll grammar
-compiles and agree on them (GrammarManager) -> pick a prefill or decode batch under the token and KV
+compiles and agree on them (GrammarManager) -> until it is decided, agree on switching to
+the compiled steps (CompiledSwitch) -> pick a prefill or decode batch under the token and KV
 budgets -> run it (batch_step.py: forward -> sample -> append tokens, check stop conditions,
 free finished requests) -> the entry rank sends outputs to the frontend.
 """
@@ -202,6 +203,9 @@ class Scheduler(BatchStepMixin):
     def step(self) -> list[Union[BatchTokenOut, FlushCacheOut]]:
         self.step_stats.start_step()
         self._poll_grammars()
+        switched = self.runner.compiled_switch.agree()  # TP > 1: every rank in this step
+        if switched is not None:
+            self.batch_log.record_compiled(*switched)
         touched = self.pending_outputs
         self.pending_outputs = []
         control, self.control_outputs = self.control_outputs, []

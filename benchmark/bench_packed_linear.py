@@ -3,7 +3,7 @@
     .venv/bin/python benchmark/bench_packed_linear.py [--dtype auto] [--repeats 3]
 
 One in-process scheduler, compile off (the path a server takes with --disable-torch-compile,
-at TP > 1 on CPU, and in the test suite). Each repeat runs batch 1, 4 and 16 greedy decodes
+with torchao, and in the test suite). Each repeat runs batch 1, 4 and 16 greedy decodes
 first with every layer's packed weight unset (F.linear), then set (the default), so both
 sides see the same machine state; medians over repeats of each side's median step. Then
 the LM head alone (the largest matmul) on both paths, and the eager step's split (linear /

@@ -19,12 +19,12 @@ oneDNN-packed weights, which torch's FX graph cache cannot pickle, so the compil
 at every start (docs/speed.md).
 
 When: compiling takes four to seven minutes on 2 cores (three graphs and the prefill's),
-so at TP=1 it runs in a background thread at start-up while the server already answers
-with the eager step, and the scheduler
-switches to the compiled step once every graph exists (fp32 outputs are identical, tested).
-With TP > 1 every rank must switch in the same iteration, so there it compiles before the
-server reports ready. Any failure (no C++ compiler, an unsupported op) logs a warning and
-the step stays eager, identically on every rank because the failure is deterministic.
+so it runs in a background thread at start-up while the server already answers with the
+eager step, and the scheduler switches to the compiled step once every graph exists (fp32
+outputs are identical, tested). At TP > 1 the warm-up's collectives stay local
+(``without_peers``: the peers are serving), and every rank switches in the same agreed
+iteration (``compiled_switch.py``). Any failure (no C++ compiler, an unsupported op) logs
+a warning and the step stays eager (at TP > 1 on every rank, by the same agreement).
 Prefill has its own compiled path (``compiled_prefill.py``), warmed up first on the same
 thread.
 """

@@ -15,12 +15,11 @@ sequences (SDPA per sequence), whose number and lengths change every step. Each 
 one graph shared by all layers (the layer's weights are graph inputs, not constants), with
 the token count dynamic, so a few graphs serve every prefill batch.
 
-When and where: on CPU at TP=1, wherever the decode step compiles
-(``--disable-torch-compile`` turns both off). It compiles on the decode step's warm-up
-thread, before the decode graphs (~10 s), and serves once that whole warm-up is over
-(``--wait-for-torch-compile`` waits for it); until then prefill runs eagerly. Not at
-TP > 1: compiled and eager prefill round differently, and every rank would have to switch
-in the same step. Any compiler failure logs a warning and prefill stays eager.
+When and where: on CPU, wherever the decode step compiles (``--disable-torch-compile``
+turns both off). It compiles on the decode step's warm-up thread, before the decode graphs
+(~10 s), and serves once that whole warm-up is over (``--wait-for-torch-compile`` waits
+for it; at TP > 1 from the step every rank agreed on, ``compiled_switch.py``); until then
+prefill runs eagerly. Any compiler failure logs a warning and prefill stays eager.
 """
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ GRAMSYNC_CPU_SHM_COLLECTIVES = EnvVar(
 GRAMSYNC_TORCH_COMPILE_AUTO = EnvVar(
     "GRAMSYNC_TORCH_COMPILE_AUTO", bool, True,
     "What neither --enable-torch-compile nor --disable-torch-compile means: compile the "
-    "decode step and the prefill where they measure faster (CPU, TP=1). The test suite sets 0 to skip "
+    "decode step and the prefill where they measure faster (CPU, any TP). The test suite sets 0 to skip "
     "compiling in every server it starts.",
 )
 

@@ -223,15 +223,19 @@ async def server_info(base_url: str, api_key: Optional[str]) -> Optional[dict]:
 
 
 @contextlib.contextmanager
-def launched_server(port: int, server_args: str, start_timeout: float = 900.0):
+def launched_server(port: int, server_args: str, start_timeout: float = 900.0, env: dict | None = None,
+                    log_path: str | None = None):
     """Start launch.py in its own process group; always stop it (SIGTERM, then SIGKILL).
-    ``start_timeout``: seconds to become healthy (--wait-for-torch-compile takes minutes)."""
+    ``start_timeout``: seconds to become healthy (--wait-for-torch-compile takes minutes);
+    ``env``: added to the server's environment; ``log_path``: keep its output there."""
     python = os.path.join(REPO, ".venv", "bin", "python")
     cmd = [python if os.path.exists(python) else sys.executable, "launch.py", "--port", str(port),
            *shlex.split(server_args)]
-    log = tempfile.NamedTemporaryFile("w", prefix="bench_serving_server_", suffix=".log", delete=False)
+    log = (open(log_path, "w") if log_path else
+           tempfile.NamedTemporaryFile("w", prefix="bench_serving_server_", suffix=".log", delete=False))
     print(f"launching: {shlex.join(cmd)} (log: {log.name})", flush=True)
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
     try:
         deadline = time.time() + start_timeout
         while not _healthy(port):
@@ -241,7 +245,8 @@ def launched_server(port: int, server_args: str, start_timeout: float = 900.0):
                 raise SystemExit(f"server not up (exit code {proc.poll()}); last log lines:\n{tail}")
             time.sleep(1)
         yield f"http://127.0.0.1:{port}"
-        os.unlink(log.name)  # kept only when something went wrong
+        if not log_path:
+            os.unlink(log.name)  # kept only when something went wrong
     finally:
         proc.terminate()  # the launcher stops its scheduler ranks itself
         grace = time.time() + 20

@@ -80,7 +80,7 @@ def eager_all_gather_last_dim(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 def tp_min_int(value: int, tp: TPGroup) -> int:
     """The smallest ``value`` over the TP group's CPU group (e.g. KV-cache size, which each
     rank profiles from its own free memory but every rank must share)."""
-    if tp.is_single:
+    if tp.is_single or _peers_absent(tp):
         return value
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.cpu_group)

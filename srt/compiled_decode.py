@@ -128,30 +128,34 @@ class CompiledDecode:
             return self._eager(fb)
 
     def start(self, run_compiled_step: Callable[[int], None], background: bool,
-              first: Callable[[], None] | None = None) -> None:
+              first: Callable[[], None] | None = None, done: Callable[[], None] | None = None) -> None:
         """Compile every graph now, not inside a request.
 
         ``run_compiled_step(bs)`` must build its batch as the scheduler does (outside
         inference mode) and run it through ``self`` as ``ModelRunner.forward`` does (in
         inference mode): Dynamo guards on how each tensor was made, and a mismatch would
         recompile inside the first served steps. ``first`` runs before, on the same thread
-        (the compiled prefill's warm-up: one compile at a time on the node's cores)."""
+        (the compiled prefill's warm-up: one compile at a time on the node's cores);
+        ``done`` after, whatever the outcome (it checks ``ready`` itself)."""
         if background:
-            self._thread = threading.Thread(target=self._warm_up, args=(run_compiled_step, first),
+            self._thread = threading.Thread(target=self._warm_up, args=(run_compiled_step, first, done),
                                             name="compile-decode", daemon=True)
             self._thread.start()
         else:
-            self._warm_up(run_compiled_step, first)
+            self._warm_up(run_compiled_step, first, done)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until compiling has finished (or failed); True if the compiled step is in use."""
         self._ready.wait(timeout)
         return self.ready
 
-    def _warm_up(self, run_compiled_step: Callable[[int], None], first: Callable[[], None] | None) -> None:
+    def _warm_up(self, run_compiled_step: Callable[[int], None], first: Callable[[], None] | None,
+                 done: Callable[[], None] | None) -> None:
         if first is not None:
             first()
         guarded_warm_up(self, "decode step", lambda: self._compile_graphs(run_compiled_step))
+        if done is not None:
+            done()
 
     def _compile_graphs(self, run_compiled_step: Callable[[int], None]) -> None:
         t = time.monotonic()

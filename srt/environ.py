@@ -125,6 +125,18 @@ GRAMSYNC_CPU_SHM_COLLECTIVES = EnvVar(
     "row against ~1.9 ms over gloo; same sums). 0 keeps gloo for every collective.",
 )
 
+GRAMSYNC_COMPILE_CACHE = EnvVar(
+    "GRAMSYNC_COMPILE_CACHE", bool, True,
+    "Keep each rank's compiled steps on disk, keyed by checkpoint, flags, torch and CPU, so a "
+    "restart loads them instead of compiling; a first start builds them in a separate process "
+    "at nice 19 while serving eagerly (docs/speed.md 'Restarts'). 0: compile "
+    "in a thread of the rank at every start.",
+)
+GRAMSYNC_COMPILE_CACHE_DIR = EnvVar(
+    "GRAMSYNC_COMPILE_CACHE_DIR", str, "",
+    "Where the compiled steps are kept (default: $GRAMSYNC_CACHE_DIR/compile), one folder per "
+    "key; delete a folder to rebuild it.",
+)
 GRAMSYNC_TORCH_COMPILE_AUTO = EnvVar(
     "GRAMSYNC_TORCH_COMPILE_AUTO", bool, True,
     "What neither --enable-torch-compile nor --disable-torch-compile means: compile the "
@@ -150,6 +162,8 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     GRAMSYNC_ADMIN_API_KEY,
     GRAMSYNC_CLUSTER_SECRET,
     GRAMSYNC_TORCH_COMPILE_AUTO,
+    GRAMSYNC_COMPILE_CACHE,
+    GRAMSYNC_COMPILE_CACHE_DIR,
     GRAMSYNC_CPU_PACKED_LINEAR,
     GRAMSYNC_CPU_SHM_COLLECTIVES,
 )

@@ -14,6 +14,8 @@ from sampling.logprobs import log_softmax_rows
 from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
+from srt.compile_builder import BuildOrder, CompileBuilder
+from srt.compile_cache import cache_complete, inductor_cache_counts, mark_complete, use_compile_cache
 from srt.compiled_decode import CompiledDecode
 from srt.compiled_prefill import CompiledPrefill
 from srt.compiled_switch import CompiledSwitch
@@ -54,7 +56,7 @@ def resolve_dtype(server_args: ServerArgs, device: str) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig,
-                 rank_info: RankInfo, tp: TPGroup):
+                 rank_info: RankInfo, tp: TPGroup, in_builder: bool = False):
         self.server_args = server_args
         self.model_config = model_config
         self.rank_info = rank_info
@@ -78,22 +80,47 @@ class ModelRunner:
         self._init_memory_pool()
         self.sampler = Sampler(rank_info.log_prefix)
         self.attn_backend = create_attention_backend(server_args.attention_backend, self.device)
-        self.compiled_decode = self.compiled_prefill = None
+        self.compiled_decode = self.compiled_prefill = self.compile_builder = None
         if self._want_compile():
-            self.compiled_decode = CompiledDecode(
-                self.model, min(server_args.torch_compile_max_bs, self.max_running_requests),
-                rank_info.log_prefix)
-            if self.device == "cpu":
-                self.compiled_prefill = CompiledPrefill(self.model, rank_info.log_prefix)
-            # Serve eagerly while it compiles; at TP > 1 the ranks switch in one agreed
-            # step (CompiledSwitch), and the warm-up's collectives stay local.
-            background = not server_args.wait_for_torch_compile
-            prefill = self.compiled_prefill
-            self.compiled_decode.start(self._run_warm_up_step, background=background,
-                                       first=partial(prefill.warm_up, self._run_warm_up_prefill) if prefill else None)
+            self._start_compiling(in_builder)
         self.compiled_switch = CompiledSwitch(self.compiled_decode, self.compiled_prefill, tp,
                                               rank_info.log_prefix)
         self.cuda_graph_runner = self._capture_cuda_graphs() if self._want_cuda_graph() else None
+
+    def _start_compiling(self, in_builder: bool) -> None:
+        """Compile the decode step (and, on CPU, the prefill) from the rank's compile cache:
+        at once where a complete build is there, else after a builder process made it
+        (``compile_builder.py``), else (cache off, ``--wait-for-torch-compile``) here. Serve
+        eagerly meanwhile unless ``--wait-for-torch-compile``; at TP > 1 the ranks switch
+        in one agreed step (CompiledSwitch), and the warm-ups' collectives stay local."""
+        args, prefix = self.server_args, self.rank_info.log_prefix
+        max_bs = min(args.torch_compile_max_bs, self.max_running_requests)
+        decode = self.compiled_decode = CompiledDecode(self.model, max_bs, prefix)
+        prefill = self.compiled_prefill = CompiledPrefill(self.model, prefix) if self.device == "cpu" else None
+        folder = None
+        if self.device == "cpu" and not in_builder:  # the builder was handed its folder
+            folder = use_compile_cache(args, self.model_config.model_path, self.dtype, self.tp.size,
+                                       self.tp.rank, max_bs, prefix)
+        background = not args.wait_for_torch_compile
+        first = [partial(prefill.warm_up, self._run_warm_up_prefill)] if prefill else []
+        if folder and background and not cache_complete(folder):
+            try:
+                self.compile_builder = CompileBuilder(BuildOrder(
+                    args, self.model_config.model_path, self.rank_info, self.tp.rank, self.tp.size,
+                    self.tp.name, self.max_total_num_tokens, folder, torch.get_num_threads()), prefix)
+                first.insert(0, self.compile_builder.wait)
+            except OSError as e:  # no process to spare: compile in the warm-up thread instead
+                logger.warning("%s could not start the compile builder (%s); compiling in process", prefix, e)
+
+        def done() -> None:
+            ok = decode.ready and (prefill is None or prefill.ready)
+            if ok and folder:
+                mark_complete(folder)
+            logger.info("%s compiled steps %s (Inductor's cache: %s)", prefix, "ready" if ok else "not in use",
+                        inductor_cache_counts())
+
+        decode.start(self._run_warm_up_step, background=background,
+                     first=lambda: [step() for step in first], done=done)
 
     def _cpu_int4(self) -> bool:
         return self.device == "cpu" and (self.server_args.torchao_config or "").startswith("int4wo-")

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -15,6 +17,13 @@ from process_helpers import stop_process_group
 # Every server and Engine a test starts would otherwise compile its decode step in the
 # background (a minute of both cores each); tests of the compiled step ask for it explicitly.
 os.environ.setdefault("GRAMSYNC_TORCH_COMPILE_AUTO", "0")
+# Compiled steps go to a folder of this test session's own: no test loads what an earlier
+# run, or a developer's server, built (tests that need another folder set their own).
+os.environ["GRAMSYNC_COMPILE_CACHE_DIR"] = _COMPILE_CACHE = tempfile.mkdtemp(prefix="gramsync-test-compile-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_STARTUP_TIMEOUT_S = 150  # under the per-test timeouts (fixture setup counts)

@@ -12,9 +12,11 @@ compiles in every ``make serve`` and in the benchmarks (bench_offline.py, bench_
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -59,8 +61,11 @@ def _greedy(sched, tokenizer, prompts, tag) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def schedulers(smollm2_dir, smollm2_tokenizer):
     torch.set_grad_enabled(False)
-    # TP=1: compiles in the background (the default path); one compile for the module.
-    compiled = _scheduler(smollm2_dir, smollm2_tokenizer, enable_torch_compile=True)
+    # TP=1: compiles in the background thread; one compile for the module. Without the
+    # compile cache: the builder process and the cache are test_compile_cache.py's, and
+    # the builder would add its own compile (~2 minutes) before this one.
+    with mock.patch.dict(os.environ, {"GRAMSYNC_COMPILE_CACHE": "0"}):
+        compiled = _scheduler(smollm2_dir, smollm2_tokenizer, enable_torch_compile=True)
     eager = _scheduler(smollm2_dir, smollm2_tokenizer, disable_torch_compile=True)
     return compiled, eager
 

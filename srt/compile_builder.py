@@ -9,7 +9,7 @@ collective local (``without_peers``), at nice 19 (it runs on the cycles serving 
 and gets a sliver of a busy core), writing into the same keyed cache folder. When it exits the rank's own warm-up
 thread compiles as before, now from the cache (Dynamo traces again; Inductor's work is
 loaded). A failed builder is logged and the rank compiles in-process, as without it.
-The builder dies with its rank (PR_SET_PDEATHSIG) and is killed on a clean stop.
+The builder dies with its rank (PR_SET_PDEATHSIG), on a clean stop too.
 """
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ import torch
 
 from distributed.parallel_state import RankInfo, TPGroup
 from srt.compile_cache import allow_frozen_mkldnn_weights, cache_complete, mark_complete
+from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class BuildOrder:
     """What the builder process needs to build exactly the rank's graphs (pickled to it)."""
-    server_args: object  # ServerArgs
+    server_args: ServerArgs
     model_path: str  # the resolved checkpoint folder
     rank_info: RankInfo
     tp_rank: int
@@ -73,12 +74,6 @@ class CompileBuilder:
         logger.warning("%s compile builder failed (exit %s after %.1f s); compiling in this process",
                        self.log_prefix, rc, took)
         return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._cleanup()
 
     def _cleanup(self) -> None:
         try:

@@ -7,7 +7,6 @@ bandwidth), a large batch is compute (2 x params x batch FLOPs / peak).
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -30,14 +29,20 @@ def cpu_model() -> str:
         return "?"
 
 
-def _best(fn, repeats: int) -> float:
-    fn()
+def timed_runs(fn, repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return min(times)
+    return times
+
+
+def _best(fn, repeats: int) -> float:
+    return min(timed_runs(fn, repeats))
 
 
 def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from srt.layers.attention import create_attention_backend
-from srt.layers.attention.torch_native import TorchNativeAttnBackend, decode_attention
+from srt.forward_batch import ForwardMode
+from srt.layers.attention.torch_native import DECODE_KEY_BUCKET, TorchNativeAttnBackend, decode_attention
 from srt.server_args import ServerArgs
 
 
@@ -50,6 +51,45 @@ def test_compiled_decode_attention_matches_eager_and_reference():
             ref = torch.nn.functional.scaled_dot_product_attention(
                 q[b].view(1, 6, 1, 32), k, v, scale=layer.scaling, enable_gqa=True)
             torch.testing.assert_close(eager[b], ref.view(6, 32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])  # one row computes in fp32, more in the pool's dtype
+def test_decode_key_table_is_padded_to_the_bucket_and_padding_is_never_read(dtype, batch):
+    """The slot table is rounded up to DECODE_KEY_BUCKET keys (stable matmul shapes); the
+    padding (never-written slots here: NaN) changes nothing against SDPA per sequence."""
+    torch.manual_seed(0)
+    kvh, heads, d, pool, width = 2, 6, 32, 400, 150
+    layer = SimpleNamespace(layer_id=0, num_kv_heads=kvh, num_heads=heads, head_dim=d, scaling=d ** -0.5)
+    kb, vb = torch.randn(kvh, pool, d, dtype=dtype), torch.randn(kvh, pool, d, dtype=dtype)
+    kb[:, 0] = vb[:, 0] = float("nan")  # every table entry past a sequence's end points here
+    lens = torch.tensor([70, 5, 33][:batch])
+    req_to_token = torch.zeros(batch, width, dtype=torch.int64)
+    for b in range(batch):
+        req_to_token[b, : lens[b]] = torch.randperm(pool - 1)[: lens[b]] + 1
+    fb = SimpleNamespace(mode=ForwardMode.DECODE, decode_kv_slots=None, seq_lens_cpu=lens.tolist(), seq_lens=lens,
+                         req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+                         req_pool_indices=torch.arange(batch), decode_attention=None,
+                         token_to_kv_pool=SimpleNamespace(k_buffer=[kb], v_buffer=[vb]))
+    backend = TorchNativeAttnBackend()
+    backend.init_forward_metadata(fb)
+    assert fb.decode_kv_slots.shape == (batch, 2 * DECODE_KEY_BUCKET) == fb.decode_kv_valid.shape
+    assert fb.decode_kv_valid.sum(1).tolist() == lens.tolist()
+    q = torch.randn(batch, heads, d, dtype=dtype)
+    with torch.inference_mode():
+        out = backend.forward_decode(q, layer, fb)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    for b in range(batch):
+        s = req_to_token[b, : lens[b]]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[b].float().view(1, heads, 1, d), kb[:, s][None].float(), vb[:, s][None].float(),
+            scale=layer.scaling, enable_gqa=True)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[b].float(), ref.view(heads, d), rtol=tol, atol=tol)
+    # A table never grows past req_to_token's width, whatever the bucket.
+    fb.decode_kv_slots, fb.seq_lens_cpu = None, [width] + lens.tolist()[1:]
+    backend.init_forward_metadata(fb)
+    assert fb.decode_kv_slots.shape[1] == width
 
 
 def test_attention_backend_choice_is_validated():

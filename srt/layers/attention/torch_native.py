@@ -9,7 +9,9 @@ against the alternative that reads the pool in place (products and reductions ov
 ``k_buffer[:, slots]``, which Inductor fuses into one loop that loads every key through
 the slot table): compiled, bf16, per layer, 1.6 ms in place vs 0.47 ms gather + matmul at
 batch 32 x 100 keys, and 4.7 vs 3.6 ms at 64 x 150; equal at batch 1. The copy is small
-(the batch's keys, not the pool) and makes the matmuls contiguous, so it stays.
+(the batch's keys, not the pool) and makes the matmuls contiguous, so it stays. The table's
+key count is rounded up to ``DECODE_KEY_BUCKET`` so the matmul shapes repeat from step to
+step, and a single row computes in fp32 (both measured in docs/speed.md).
 Extend (prefill) runs SDPA per sequence: prompt lengths differ, torch has no varlen SDPA
 on CPU, and a padded batch wastes the compute that dominates prefill; a sequence's loop
 iteration costs microseconds next to its matmuls.
@@ -23,13 +25,20 @@ from srt.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention.base import AttentionBackend
 
 
+# Decode's key count S is rounded up to a multiple of this (the extra keys are masked):
+# oneDNN JIT-compiles a bf16 matmul for every new shape (~0.6 ms; ~30 us once cached), and
+# an S that grows by one each step made every step's first layer pay it (docs/speed.md).
+DECODE_KEY_BUCKET = 64
+
+
 class TorchNativeAttnBackend(AttentionBackend):
     name = "torch_native"
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.mode != ForwardMode.DECODE or fb.decode_kv_slots is not None:
             return
-        max_len = max(fb.seq_lens_cpu)
+        width = fb.req_to_token_pool.req_to_token.shape[1]
+        max_len = min(-(-max(fb.seq_lens_cpu) // DECODE_KEY_BUCKET) * DECODE_KEY_BUCKET, width)
         slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len]  # [B, S]
         valid = torch.arange(max_len, device=slots.device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
         # Padding may point at never-written slots (torch.empty: NaN/inf garbage) and
@@ -81,12 +90,15 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     B, S = slots.shape
     H, D = q.shape[1], q.shape[2]
     KVH = num_kv_heads
-    qg = q.view(B, KVH, H // KVH, D).transpose(0, 1)  # [KVH, B, G, D]
+    # One row: fp32 matmuls (MKL, ~12 us) beat bf16's oneDNN calls (~30 us each) at these
+    # tiny shapes; with more rows bf16 reads half the bytes and wins (docs/speed.md).
+    dtype = torch.float32 if B == 1 else q.dtype
+    qg = q.view(B, KVH, H // KVH, D).transpose(0, 1).to(dtype)  # [KVH, B, G, D]
     flat = slots.reshape(-1)
-    k = k_buf.index_select(1, flat).view(KVH, B, S, D)
-    v = v_buf.index_select(1, flat).view(KVH, B, S, D)
+    k = k_buf.index_select(1, flat).view(KVH, B, S, D).to(dtype)
+    v = v_buf.index_select(1, flat).view(KVH, B, S, D).to(dtype)
     scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scaling)  # [KVH, B, G, S]
     scores.masked_fill_(~valid.view(1, B, 1, S), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
     out = torch.matmul(probs, v)  # [KVH, B, G, D]
-    return out.transpose(0, 1).reshape(B, H, D)
+    return out.to(q.dtype).transpose(0, 1).reshape(B, H, D)

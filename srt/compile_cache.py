@@ -20,7 +20,7 @@ refuses the cache, as before); fp32 graphs never needed it.
 
 So every rank compiles into a folder of its own, named by a hash of what the graphs are
 built from: the checkpoint's files (name, size, mtime and a digest of their first and
-last MiB), the config overrides, dtype, quantization, TP size and rank, the graph sizes,
+last MiB), gramsync's model and layer code, the config overrides, dtype, quantization, TP size and rank, the graph sizes,
 torch's version and the CPU's flags. A stale or foreign entry is never read: it lives in
 another folder. ``key.json`` in each folder lists the key's parts.
 """
@@ -44,6 +44,13 @@ logger = logging.getLogger(__name__)
 COMPLETE_MARKER = "complete"  # in a folder: every graph of its key was built there
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _EDGE = 1 << 20  # bytes hashed at each end of a weight file: cheap, and catches a re-export
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Our code that the compiled graphs are traced from. Inductor keys each graph by its own
+# content, so a change here is never served stale; but without it in our key a folder
+# stays "complete" while every graph misses, and the rank would compile in process,
+# beside serving, instead of in the builder.
+GRAPH_SOURCES = ("srt/models", "srt/layers", "srt/forward_batch.py", "srt/compiled_decode.py",
+                 "srt/compiled_prefill.py", "distributed/communication.py")
 
 
 def _file_fingerprint(path: str) -> dict:
@@ -64,6 +71,20 @@ def checkpoint_fingerprint(model_dir: str) -> dict:
         if name.endswith(_WEIGHT_SUFFIXES) or name == "config.json":
             out[name] = _file_fingerprint(os.path.join(model_dir, name))
     return out
+
+
+def code_digest(root: str = _REPO, sources: tuple[str, ...] = GRAPH_SOURCES) -> str:
+    """sha256 over every .py file under ``sources`` (relative to ``root``), path and bytes."""
+    h = hashlib.sha256()
+    for src in sources:
+        top = os.path.join(root, src)
+        files = [top] if os.path.isfile(top) else sorted(
+            os.path.join(d, n) for d, _, names in os.walk(top) for n in names if n.endswith(".py"))
+        for path in files:
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
 
 
 def cache_complete(folder: str) -> bool:
@@ -87,6 +108,7 @@ def compile_cache_key(args: ServerArgs, model_dir: str, dtype: torch.dtype, tp_s
                       tp_rank: int, max_compiled_bs: int) -> dict:
     return {
         "checkpoint": checkpoint_fingerprint(model_dir),
+        "code": code_digest(),
         "model_overrides": args.json_model_override_args,
         "dtype": str(dtype),
         "torchao_config": args.torchao_config,

@@ -14,13 +14,14 @@ Graphs: batch 1 (static), batches 2-16 (dynamic) and batches 17 to
 keeping the batch size and the longest sequence dynamic so it serves its whole range
 without recompiling. We chose this over padding to one graph per bucket because each
 bucket is another full compile (over a minute each on 2 cores) and padding computes rows
-nobody asked for. Larger batches, and prefill, run eagerly. Frozen graphs hold
-oneDNN-packed weights, which torch's FX graph cache cannot pickle, so the compile is paid
-at every start (docs/speed.md).
+nobody asked for. Larger batches run eagerly; prefill has its own compiled path.
+Inductor's work is kept on disk per checkpoint, flags, torch and CPU
+(``compile_cache.py``), so a restart loads it instead of compiling again (docs/speed.md
+"Restarts").
 
-When: compiling takes four to seven minutes on 2 cores (three graphs and the prefill's),
-so it runs in a background thread at start-up while the server already answers with the
-eager step, and the scheduler switches to the compiled step once every graph exists (fp32
+When: a first compile takes four to seven minutes on 2 cores (three graphs and the
+prefill's), so it runs aside at start-up (``compile_builder.py``, then a background thread
+that loads the build) while the server already answers with the eager step, and the scheduler switches to the compiled step once every graph exists (fp32
 outputs are identical, tested). At TP > 1 the warm-up's collectives stay local
 (``without_peers``: the peers are serving), and every rank switches in the same agreed
 iteration (``compiled_switch.py``). Any failure (no C++ compiler, an unsupported op) logs

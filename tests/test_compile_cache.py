@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from conftest import _launch_server
-from srt.compile_cache import (allow_frozen_mkldnn_weights, cache_complete, compile_cache_key,
-                               use_compile_cache)
+from srt.compile_cache import (GRAPH_SOURCES, allow_frozen_mkldnn_weights, cache_complete, code_digest,
+                               compile_cache_key, use_compile_cache)
 from srt.server_args import ServerArgs
 
 MiB = 1 << 20
@@ -59,6 +59,23 @@ def test_key_follows_checkpoint_bytes_flags_dtype_and_rank(tmp_path):
                   key(a=ServerArgs(model_path=str(d), torchao_config="int8wo"))):
         assert other != changed
     assert changed["torch"] == torch.__version__ and changed["cpu_flags"]
+    assert changed["code"] == code_digest()
+
+
+def test_code_digest_follows_the_graph_sources(tmp_path):
+    """A change to the code the graphs are traced from is another key (else a folder
+    stays 'complete' while every graph misses); the real sources are all found."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "layer.py").write_text("x = 1\n")
+    (tmp_path / "one.py").write_text("y = 2\n")
+    base = code_digest(str(tmp_path), ("pkg", "one.py"))
+    assert code_digest(str(tmp_path), ("pkg", "one.py")) == base
+    (tmp_path / "pkg" / "layer.py").write_text("x = 3\n")
+    assert code_digest(str(tmp_path), ("pkg", "one.py")) != base
+    import srt.compile_cache as cc
+    for src in GRAPH_SOURCES:
+        assert os.path.exists(os.path.join(cc._REPO, src)), src
+    assert "srt/layers" in GRAPH_SOURCES and "srt/models" in GRAPH_SOURCES
 
 
 def test_use_compile_cache_points_inductor_at_the_keyed_folder(tmp_path, monkeypatch):

@@ -97,7 +97,7 @@ def _build(order: BuildOrder) -> bool:
     model_config = ModelConfig.from_path(order.model_path, args.context_length,
                                          parse_model_overrides(args.json_model_override_args))
     with without_peers(tp):
-        runner = ModelRunner(args, model_config, order.rank_info, tp, in_builder=True)
+        runner = ModelRunner(args, model_config, order.rank_info, tp, builder_folder=order.cache_folder)
     prefill = runner.compiled_prefill
     return bool(runner.compiled_decode and runner.compiled_decode.ready and (prefill is None or prefill.ready))
 

@@ -21,6 +21,7 @@ refuses the cache, as before); fp32 graphs never needed it.
 So every rank compiles into a folder of its own, named by a hash of what the graphs are
 built from: the checkpoint's files (name, size, mtime and a digest of their first and
 last MiB), gramsync's model and layer code, the config overrides, dtype, quantization, TP size and rank, the graph sizes,
+whether the decode graphs are AOTInductor packages (``aoti_decode.py``),
 torch's version and the CPU's flags. A stale or foreign entry is never read: it lives in
 another folder. ``key.json`` in each folder lists the key's parts.
 """
@@ -49,7 +50,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # content, so a change here is never served stale; but without it in our key a folder
 # stays "complete" while every graph misses, and the rank would compile in process,
 # beside serving, instead of in the builder.
-GRAPH_SOURCES = ("srt/models", "srt/layers", "srt/forward_batch.py", "srt/compiled_decode.py",
+GRAPH_SOURCES = ("srt/models", "srt/layers", "srt/forward_batch.py", "srt/compiled_decode.py", "srt/aoti_decode.py",
                  "srt/compiled_prefill.py", "distributed/communication.py")
 
 
@@ -115,6 +116,7 @@ def compile_cache_key(args: ServerArgs, model_dir: str, dtype: torch.dtype, tp_s
         "tp": [tp_size, tp_rank],
         "max_compiled_bs": max_compiled_bs,
         "mixed_chunk": args.enable_mixed_chunk,
+        "aoti_decode": environ.GRAMSYNC_AOTI_DECODE.get(),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

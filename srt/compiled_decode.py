@@ -17,7 +17,9 @@ bucket is another full compile (over a minute each on 2 cores) and padding compu
 nobody asked for. Larger batches run eagerly; prefill has its own compiled path.
 Inductor's work is kept on disk per checkpoint, flags, torch and CPU
 (``compile_cache.py``), so a restart loads it instead of compiling again (docs/speed.md
-"Restarts").
+"Restarts"). On CPU at TP=1 the same graphs (same options, same batch ranges) are built as
+AOTInductor packages instead (``aoti_decode.py``): a restart loads them without tracing,
+and a step runs the generated code with no Dynamo guards in front of it.
 
 When: a first compile takes four to seven minutes on 2 cores (three graphs and the
 prefill's), so it runs aside at start-up (``compile_builder.py``, then a background thread
@@ -39,6 +41,7 @@ from typing import Callable
 
 import torch
 
+from srt.aoti_decode import DecodePackages
 from srt.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -68,30 +71,37 @@ class _Graph:
     """One compiled graph and the batch sizes it serves."""
     lo: int
     hi: int
-    compiled: Callable
+    compiled: Callable | None  # None where the graph is an AOTInductor package
     label: str
     trace_bs: int
+    options: dict
 
 
 class CompiledDecode:
-    def __init__(self, model: torch.nn.Module, max_bs: int, log_prefix: str):
+    def __init__(self, model: torch.nn.Module, max_bs: int, log_prefix: str,
+                 packages: DecodePackages | None = None):
+        """``packages``: build and load each graph as an AOTInductor package there
+        (aoti_decode.py: CPU, TP=1) instead of ``torch.compile``'s graphs."""
         self.max_bs = max_bs
         self.log_prefix = log_prefix
         self.failed = False
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._eager = model
+        self._packages = packages
+        self._runners: dict[str, Callable] = {}  # label -> loaded package (packages only)
+        compile_ = (lambda *a, **k: None) if packages else torch.compile
         # freezing: weights become constants (oneDNN-prepacked); needs no-grad/inference.
         # Batch 1 is static (Dynamo specializes a dimension of size 1 anyway); the others
         # keep B and S dynamic so a graph serves its whole range without recompiling.
-        graphs = [_Graph(1, 1, torch.compile(model, dynamic=False, options=dict(_AUTOTUNE)), "1", 1)]
+        graphs = [_Graph(1, 1, compile_(model, dynamic=False, options=dict(_AUTOTUNE)), "1", 1, _AUTOTUNE)]
         small_hi = min(SMALL_BATCH_MAX, max_bs)
         if small_hi >= 2:
-            graphs.append(_Graph(2, small_hi, torch.compile(model, dynamic=None, options=dict(_AUTOTUNE)),
-                                 f"2-{small_hi}", min(small_hi, SMALL_BATCH_TRACE)))
+            graphs.append(_Graph(2, small_hi, compile_(model, dynamic=None, options=dict(_AUTOTUNE)),
+                                 f"2-{small_hi}", min(small_hi, SMALL_BATCH_TRACE), _AUTOTUNE))
         if max_bs > small_hi:
-            graphs.append(_Graph(small_hi + 1, max_bs, torch.compile(model, dynamic=None, options=dict(_FREEZE)),
-                                 f"{small_hi + 1}-{max_bs}", max_bs))
+            graphs.append(_Graph(small_hi + 1, max_bs, compile_(model, dynamic=None, options=dict(_FREEZE)),
+                                 f"{small_hi + 1}-{max_bs}", max_bs, _FREEZE))
         self._graphs = tuple(graphs)
 
     def _graph_for(self, bs: int) -> _Graph:
@@ -109,7 +119,13 @@ class CompiledDecode:
     def can_run(self, fb: ForwardBatch) -> bool:
         return self.ready and fb.batch_size <= self.max_bs
 
+    @property
+    def kind(self) -> str:
+        return "AOTInductor packages" if self._packages else "torch.compile"
+
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
+        if self._packages is not None:
+            return self._run_package(fb)
         if fb.batch_size > 1:  # B and S dynamic: no recompiles as the batch changes
             for name in _BATCH_DIM_FIELDS:
                 torch._dynamo.mark_dynamic(getattr(fb, name), 0)
@@ -125,6 +141,20 @@ class CompiledDecode:
         except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager
             self.failed = True
             logger.warning("%s torch.compile failed (%s: %s); decoding eagerly from now on",
+                           self.log_prefix, type(e).__name__, str(e)[:500])
+            return self._eager(fb)
+
+    def _run_package(self, fb: ForwardBatch) -> torch.Tensor:
+        graph = self._graph_for(fb.batch_size)
+        try:
+            run = self._runners.get(graph.label)
+            if run is None:  # the warm-up's step for this graph: build (if need be) and load
+                run = self._runners[graph.label] = self._packages.load_or_build(
+                    self._eager, fb, graph.lo, graph.hi, graph.options, graph.label)
+            return run(fb)
+        except Exception as e:  # noqa: BLE001 - any compiler or loader failure falls back to eager
+            self.failed = True
+            logger.warning("%s AOTInductor decode graph failed (%s: %s); decoding eagerly from now on",
                            self.log_prefix, type(e).__name__, str(e)[:500])
             return self._eager(fb)
 
@@ -155,6 +185,8 @@ class CompiledDecode:
         if first is not None:
             first()
         guarded_warm_up(self, "decode step", lambda: self._compile_graphs(run_compiled_step))
+        if self._packages is not None:
+            self._packages.done()
         if done is not None:
             done()
 
@@ -171,8 +203,8 @@ class CompiledDecode:
                 return
             logger.info("%s batch %s graph ready in %.1f s", self.log_prefix, graph.label,
                         time.monotonic() - t_graph)
-        logger.info("%s decode step compiled in %.1f s; using it for batches up to %d",
-                    self.log_prefix, time.monotonic() - t, self.max_bs)
+        logger.info("%s decode step compiled (%s) in %.1f s; using it for batches up to %d",
+                    self.log_prefix, self.kind, time.monotonic() - t, self.max_bs)
 
 
 def guarded_warm_up(step, what: str, compile_graphs: Callable[[], None]) -> None:

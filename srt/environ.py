@@ -132,6 +132,12 @@ GRAMSYNC_COMPILE_CACHE = EnvVar(
     "at nice 19 while serving eagerly (docs/speed.md 'Restarts'). 0: compile "
     "in a thread of the rank at every start.",
 )
+GRAMSYNC_AOTI_DECODE = EnvVar(
+    "GRAMSYNC_AOTI_DECODE", bool, True,
+    "On CPU at TP=1, build the compiled decode graphs as AOTInductor packages (loaded in about "
+    "a second at a restart, no tracing, no guards per step; docs/speed.md 'Restarts'). 0: "
+    "torch.compile's graphs, as at TP > 1.",
+)
 GRAMSYNC_COMPILE_CACHE_DIR = EnvVar(
     "GRAMSYNC_COMPILE_CACHE_DIR", str, "",
     "Where the compiled steps are kept (default: $GRAMSYNC_CACHE_DIR/compile), one folder per "
@@ -163,6 +169,7 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     GRAMSYNC_CLUSTER_SECRET,
     GRAMSYNC_TORCH_COMPILE_AUTO,
     GRAMSYNC_COMPILE_CACHE,
+    GRAMSYNC_AOTI_DECODE,
     GRAMSYNC_COMPILE_CACHE_DIR,
     GRAMSYNC_CPU_PACKED_LINEAR,
     GRAMSYNC_CPU_SHM_COLLECTIVES,

@@ -14,6 +14,7 @@ from sampling.logprobs import log_softmax_rows
 from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
+from srt.aoti_decode import DecodePackages
 from srt.compile_builder import BuildOrder, CompileBuilder
 from srt.compile_cache import cache_complete, inductor_cache_counts, mark_complete, use_compile_cache
 from srt.compiled_decode import CompiledDecode
@@ -56,7 +57,7 @@ def resolve_dtype(server_args: ServerArgs, device: str) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig,
-                 rank_info: RankInfo, tp: TPGroup, in_builder: bool = False):
+                 rank_info: RankInfo, tp: TPGroup, builder_folder: Optional[str] = None):
         self.server_args = server_args
         self.model_config = model_config
         self.rank_info = rank_info
@@ -82,28 +83,30 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(server_args.attention_backend, self.device)
         self.compiled_decode = self.compiled_prefill = self.compile_builder = None
         if self._want_compile():
-            self._start_compiling(in_builder)
+            self._start_compiling(builder_folder)
         self.compiled_switch = CompiledSwitch(self.compiled_decode, self.compiled_prefill, tp,
                                               rank_info.log_prefix)
         self.cuda_graph_runner = self._capture_cuda_graphs() if self._want_cuda_graph() else None
 
-    def _start_compiling(self, in_builder: bool) -> None:
+    def _start_compiling(self, builder_folder: Optional[str]) -> None:
         """Compile the decode step (and, on CPU, the prefill) from the rank's compile cache:
         at once where a complete build is there, else after a builder process made it
         (``compile_builder.py``), else (cache off, ``--wait-for-torch-compile``) here. Serve
         eagerly meanwhile unless ``--wait-for-torch-compile``; at TP > 1 the ranks switch
-        in one agreed step (CompiledSwitch), and the warm-ups' collectives stay local."""
+        in one agreed step (CompiledSwitch), and the warm-ups' collectives stay local.
+        ``builder_folder``: this is the builder process (compile_builder.py), building there."""
         args, prefix = self.server_args, self.rank_info.log_prefix
         max_bs = min(args.torch_compile_max_bs, self.max_running_requests)
-        decode = self.compiled_decode = CompiledDecode(self.model, max_bs, prefix)
-        prefill = self.compiled_prefill = CompiledPrefill(self.model, prefix) if self.device == "cpu" else None
-        folder = None
-        if self.device == "cpu" and not in_builder:  # the builder was handed its folder
+        folder = builder_folder
+        if self.device == "cpu" and folder is None:
             folder = use_compile_cache(args, self.model_config.model_path, self.dtype, self.tp.size,
                                        self.tp.rank, max_bs, prefix)
+        packages = DecodePackages(folder, self.attn_backend, prefix) if self._decode_as_packages() else None
+        decode = self.compiled_decode = CompiledDecode(self.model, max_bs, prefix, packages)
+        prefill = self.compiled_prefill = CompiledPrefill(self.model, prefix) if self.device == "cpu" else None
         background = not args.wait_for_torch_compile
         first = [partial(prefill.warm_up, self._run_warm_up_prefill)] if prefill else []
-        if folder and background and not cache_complete(folder):
+        if folder and builder_folder is None and background and not cache_complete(folder):
             try:
                 self.compile_builder = CompileBuilder(BuildOrder(
                     args, self.model_config.model_path, self.rank_info, self.tp.rank, self.tp.size,
@@ -121,6 +124,13 @@ class ModelRunner:
 
         decode.start(self._run_warm_up_step, background=background,
                      first=lambda: [step() for step in first], done=done)
+
+    def _decode_as_packages(self) -> bool:
+        """AOTInductor packages for the decode graphs (aoti_decode.py): on CPU at TP=1, on
+        plain weights (torchao's tensor subclasses and TP's in-graph collectives keep
+        torch.compile)."""
+        return (self.device == "cpu" and self.tp.is_single and not self.server_args.torchao_config
+                and environ.GRAMSYNC_AOTI_DECODE.get())
 
     def _cpu_int4(self) -> bool:
         return self.device == "cpu" and (self.server_args.torchao_config or "").startswith("int4wo-")

@@ -6,8 +6,8 @@
   still refuses Inductor's cache.
 - A real server (2 layers, this machine's default dtype): the first start builds in a
   separate process at nice 19 while it serves eagerly, then loads the build with no
-  Inductor cache miss; a restart loads it at once (no builder, no miss) and gives the
-  same greedy ids.
+  Inductor cache miss; a restart loads it at once (no builder, no miss, the decode graphs
+  as AOTInductor packages: loaded, none built) and gives the same greedy ids.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _checkpoint(tmp_path):
     return d
 
 
-def test_key_follows_checkpoint_bytes_flags_dtype_and_rank(tmp_path):
+def test_key_follows_checkpoint_bytes_flags_dtype_and_rank(tmp_path, monkeypatch):
     d = _checkpoint(tmp_path)
     args = ServerArgs(model_path=str(d))
 
@@ -60,6 +60,8 @@ def test_key_follows_checkpoint_bytes_flags_dtype_and_rank(tmp_path):
         assert other != changed
     assert changed["torch"] == torch.__version__ and changed["cpu_flags"]
     assert changed["code"] == code_digest()
+    monkeypatch.setenv("GRAMSYNC_AOTI_DECODE", "0")  # the decode graphs from torch.compile
+    assert key() != changed
 
 
 def test_code_digest_follows_the_graph_sources(tmp_path):
@@ -112,6 +114,8 @@ def test_frozen_mkldnn_weights_are_keyed_by_metadata_and_others_still_refused():
 # ---- a real server, first start and restart ---------------------------------------------
 ARGS = ["--enable-torch-compile", "--max-running-requests", "3", "--log-level", "info",
         "--json-model-override-args", json.dumps({"num_hidden_layers": 2})]
+PACKAGE_BUILT = re.compile(r"decode package for batches [0-9-]+ built")
+PACKAGE_LOADED = re.compile(r"decode package for batches [0-9-]+ loaded")
 READY = re.compile(r"INFO srt\.model_runner: .*compiled steps ready \(Inductor's cache: hits (\d+), misses (\d+), bypassed (\d+)\)")
 
 
@@ -150,9 +154,12 @@ def test_first_start_builds_aside_and_a_restart_loads_the_build(tmp_path, tmp_pa
         text = log.read_text()
         assert "compile builder done" in text
         assert int(m.group(1)) > 0 and m.group(2) == "0" and m.group(3) == "0", m.group(0)
+        assert PACKAGE_BUILT.search(text) and not PACKAGE_BUILT.search(text[text.index("compile builder done"):])
         compiled_ids = _greedy(base)
     folders = os.listdir(tmp_path / "compile")
     assert len(folders) == 1 and cache_complete(str(tmp_path / "compile" / folders[0]))
+    # --max-running-requests 3: the batch-1 graph and the one for 2-3 rows
+    assert {"decode-1.pt2", "decode-2-3.pt2"} <= set(os.listdir(tmp_path / "compile" / folders[0]))
 
     for base in _launch_server(tmp_path_factory, smollm2_dir, ARGS, env, log_paths=logs):
         log = logs[-1]
@@ -160,5 +167,7 @@ def test_first_start_builds_aside_and_a_restart_loads_the_build(tmp_path, tmp_pa
         text = log.read_text()
         assert "complete: loading it" in text and "compile builder started" not in text
         assert int(m.group(1)) > 0 and m.group(2) == "0" and m.group(3) == "0", m.group(0)
+        assert not PACKAGE_BUILT.search(text)  # loaded, not built again
+        assert len(PACKAGE_LOADED.findall(text)) == 2 and "AOTInductor packages" in text
         assert _greedy(base) == compiled_ids
     assert os.listdir(tmp_path / "compile") == folders

@@ -1,0 +1,104 @@
+"""The decode graphs as AOTInductor packages (srt/aoti_decode.py) against the eager step.
+
+Real model (the embedded SmolLM2 cut to one layer, fp32), real ``torch.export`` and
+AOTInductor compile (~1 minute on 2 cores): a package built for batches 2-4 on one KV
+pool serves another pool of another size and batch, writes the eager step's K/V into it
+in place (and nothing else), and gives the eager step's logits; building leaves the
+served model's parameters as they were; a package folder of its own is removed once
+loaded. The scheduler-level checks (greedy tokens equal to eager, the builder, a restart
+that loads without building) are in test_compiled_decode.py and test_compile_cache.py.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from srt.aoti_decode import DecodePackages
+from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.mem_cache.memory_pool import MHATokenToKVPool
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_dir):
+    from distributed.parallel_state import SINGLE_RANK, RankInfo
+    from srt.model_config import ModelConfig
+    from srt.model_runner import ModelRunner
+    from srt.server_args import ServerArgs, parse_model_overrides
+
+    overrides = '{"num_hidden_layers": 1}'
+    args = ServerArgs(model_path=smollm2_dir, dtype="float32", max_running_requests=4, max_total_tokens=256,
+                      json_model_override_args=overrides, disable_torch_compile=True)
+    old = os.environ.get("GRAMSYNC_CPU_PACKED_LINEAR")
+    os.environ["GRAMSYNC_CPU_PACKED_LINEAR"] = "0"  # plain weights, as wherever the step compiles
+    try:
+        return ModelRunner(args, ModelConfig.from_path(smollm2_dir, None, parse_model_overrides(overrides)),
+                           RankInfo(), SINGLE_RANK)
+    finally:
+        if old is None:
+            os.environ.pop("GRAMSYNC_CPU_PACKED_LINEAR")
+        else:
+            os.environ["GRAMSYNC_CPU_PACKED_LINEAR"] = old
+
+
+def _pool(runner, tokens: int, seed: int) -> MHATokenToKVPool:
+    ref = runner.token_to_kv_pool
+    pool = MHATokenToKVPool(tokens, len(ref.k_buffer), ref.k_buffer[0].shape[0], ref.k_buffer[0].shape[2],
+                            torch.float32, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    for t in pool.k_buffer + pool.v_buffer:
+        t.copy_(torch.randn(t.shape, generator=g))
+    return pool
+
+
+def _batch(pool: MHATokenToKVPool, bs: int, keys: int) -> ForwardBatch:
+    """``bs`` rows of ``keys``-slot tables (row i reads slots from 10 * i, its last
+    ``i`` keys masked as padding), each row's new token written to slot 200 + i."""
+    g = torch.Generator().manual_seed(bs)
+    ids = torch.randint(0, 1000, (bs,), generator=g)
+    lens = torch.tensor([keys - i for i in range(bs)])
+    slots = torch.arange(keys).unsqueeze(0) + 10 * torch.arange(bs).unsqueeze(1)
+    fb = ForwardBatch(ForwardMode.DECODE, ids, lens - 1, torch.arange(bs) + 200, torch.arange(bs), lens,
+                      lens.tolist(), [1] * bs, (lens - 1).tolist(), None, pool)
+    fb.decode_kv_valid = torch.arange(keys).unsqueeze(0) < lens.unsqueeze(1)
+    fb.decode_kv_slots = torch.where(fb.decode_kv_valid, slots, slots[:, :1])
+    return fb
+
+
+@pytest.mark.timeout(600)
+def test_package_serves_another_pool_and_batch_as_eager_does(runner, tmp_path):
+    model = runner.model
+    params = {name: p for name, p in model.named_parameters()}
+    values = {name: p.detach().clone() for name, p in params.items()}
+    packages = DecodePackages(str(tmp_path), runner.attn_backend, "[test]")
+    with torch.inference_mode():
+        run = packages.load_or_build(model, _batch(_pool(runner, 256, 0), 3, 64), 2, 4,
+                                     {"freezing": True}, "2-4")
+    assert os.path.exists(packages.path("2-4"))
+    # The served model kept its own parameter objects, real and unchanged.
+    assert {name: p for name, p in model.named_parameters()} == params
+    assert all(not isinstance(p, torch._subclasses.FakeTensor) and torch.equal(p, values[n])
+               for n, p in params.items())
+
+    for bs, keys in ((4, 100), (2, 37)):
+        served, eager = _pool(runner, 512, bs), _pool(runner, 512, bs)  # another pool size
+        with torch.inference_mode():
+            got = run(_batch(served, bs, keys))
+            want = model(_batch(eager, bs, keys))
+        assert got.shape == want.shape == (bs, runner.model_config.vocab_size)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+        for a, b in zip(served.k_buffer + served.v_buffer, eager.k_buffer + eager.v_buffer):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # the new slots written alike
+        untouched = _pool(runner, 512, bs)
+        written = torch.zeros(served.k_buffer[0].shape[1], dtype=torch.bool)  # slot 0: the dummy
+        written[200:200 + bs] = True
+        assert torch.equal(served.k_buffer[0][:, ~written], untouched.k_buffer[0][:, ~written])
+        assert not torch.equal(served.k_buffer[0][:, written], untouched.k_buffer[0][:, written])
+
+
+def test_a_folder_of_its_own_is_removed_once_loaded(runner):
+    packages = DecodePackages(None, runner.attn_backend, "[test]")
+    assert os.path.isdir(packages.folder)
+    packages.done()
+    assert not os.path.exists(packages.folder)

@@ -1,4 +1,4 @@
-"""The Sampler: greedy fast path; otherwise temperature, then top-k / top-p / min-p and an
+"""The Sampler: greedy fast path (``greedy.py``); otherwise temperature, then top-k / top-p / min-p and an
 exact sample, with no full-vocabulary sort (``sort_free``). On CUDA with the ``flashinfer``
 package installed, batches without per-request seeds use FlashInfer's fused rejection
 sampling kernels; seeded rows always use the hashed (seed, position) uniforms so they are
@@ -17,6 +17,7 @@ import torch
 
 from constrained.bitmask_ops import unpack_bitmask
 from sampling import flashinfer_backend
+from sampling.greedy import greedy_ids
 from sampling.sampling_batch_info import SamplingBatchInfo
 from sampling.seeded_random import row_uniforms
 from sampling.sort_free import sample_filtered, sample_unfiltered, workspace_for, workspace_rows
@@ -36,14 +37,14 @@ class Sampler:
         temperature is folded into the sort-free passes instead of a sweep over [B, V]."""
         self.sanitize(logits, info.vocab_mask)
         if info.is_all_greedy:
-            return torch.argmax(logits, dim=-1)
-        greedy_ids = torch.argmax(logits, dim=-1) if info.has_greedy else None
+            return greedy_ids(logits)
+        greedy = greedy_ids(logits) if info.has_greedy else None
         if flashinfer_backend.usable(logits, info):
             ids = flashinfer_backend.sample(logits.div_(info.temperatures), info)
         else:
             ids = self._sample_sort_free(logits, info)
-        if greedy_ids is not None:
-            ids = torch.where(info.greedy_mask, greedy_ids, ids)
+        if greedy is not None:
+            ids = torch.where(info.greedy_mask, greedy, ids)
         return ids
 
     def _sample_sort_free(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

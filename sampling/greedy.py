@@ -1,0 +1,35 @@
+"""Greedy token ids: the first maximal logit of each row, fast on CPU.
+
+torch's CPU ``argmax`` over a row runs a scalar loop: ~120 us for SmolLM2's 49,152 logits
+and ~930 us for 16 rows (2 threads, AVX-512 Xeon), where ``amax`` is vectorised (14 and
+40 us). So on CPU: each block of ``BLOCK`` logits' max (one vectorised pass), the row max
+from those, the first block that holds it, and ``argmax`` inside that block only. The
+answer is torch.argmax's, ties included (the first maximal index), for rows whose max is
+finite: the Sampler sanitizes every row first (NaN -> -inf, +inf -> a large finite value,
+an all -inf row -> uniform), so that always holds there.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK = 1024
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B]``: ``torch.argmax(logits, dim=-1)`` for float ``[B, V]`` logits whose
+    rows each have a finite max."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab < 4 * BLOCK or rows == 0:
+        return torch.argmax(logits, dim=-1)
+    full = vocab // BLOCK
+    block_max = logits[:, :full * BLOCK].view(rows, full, BLOCK).amax(dim=-1)
+    if vocab > full * BLOCK:
+        block_max = torch.cat([block_max, logits[:, full * BLOCK:].amax(dim=-1, keepdim=True)], dim=1)
+    row_max = block_max.amax(dim=-1, keepdim=True)
+    first_block = (block_max == row_max).to(torch.uint8).argmax(dim=-1)  # [B], a few dozen each
+    start = first_block * BLOCK
+    cols = start.unsqueeze(1) + torch.arange(BLOCK, device=logits.device)
+    window = logits.gather(1, cols.clamp(max=vocab - 1))
+    if vocab > full * BLOCK:  # the last, short block: its overhang is never the max
+        window.masked_fill_(cols >= vocab, float("-inf"))
+    return start + window.argmax(dim=-1)

@@ -121,7 +121,24 @@ def build_package(model: nn.Module, attn_backend, fb: ForwardBatch, lo: int, hi:
 
 
 def load_package(path: str) -> Callable[[ForwardBatch], torch.Tensor]:
-    runner = torch._inductor.aoti_load_package(path)
+    """The package's runner. Torch's loader extracts the package (the shared library with
+    the weights inside: ~300-500 MB) into a fresh folder under ``$TMPDIR`` and removes it
+    only when the runner is destroyed, which a server never does before it exits (or is
+    killed): every start would leave one such folder per graph in /tmp. So the loader
+    extracts into a folder of ours, removed as soon as the library is mapped (Linux keeps
+    a mapped file's data until it is unmapped)."""
+    tempfile.gettempdir()  # Python's own temp folder decided now, not inside ours
+    extract = tempfile.mkdtemp(prefix="gramsync-aoti-load-")
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = extract
+    try:
+        runner = torch._inductor.aoti_load_package(path)
+    finally:
+        if previous is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = previous
+        shutil.rmtree(extract, ignore_errors=True)
 
     def run(fb: ForwardBatch) -> torch.Tensor:
         return runner(*graph_inputs(fb))

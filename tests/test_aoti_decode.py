@@ -3,7 +3,8 @@
 Real model (the embedded SmolLM2 cut to one layer, fp32), real ``torch.export`` and
 AOTInductor compile (~1 minute on 2 cores): a package built for batches 2-4 on one KV
 pool serves another pool of another size and batch, writes the eager step's K/V into it
-in place (and nothing else), and gives the eager step's logits; building leaves the
+in place (and nothing else), and gives the eager step's logits; loading leaves no
+extracted copy in the temp folder; building leaves the
 served model's parameters as they were; a package folder of its own is removed once
 loaded. The scheduler-level checks (greedy tokens equal to eager, the builder, a restart
 that loads without building) are in test_compiled_decode.py and test_compile_cache.py.
@@ -11,6 +12,7 @@ that loads without building) are in test_compiled_decode.py and test_compile_cac
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -66,16 +68,24 @@ def _batch(pool: MHATokenToKVPool, bs: int, keys: int) -> ForwardBatch:
     return fb
 
 
+def _extracted() -> set[str]:
+    """Folders torch's package loader (or ours) extracted into under the temp folder."""
+    tmp = tempfile.gettempdir()
+    return {n for n in os.listdir(tmp) if n.startswith(("aotinductor_", "gramsync-aoti-load-"))}
+
+
 @pytest.mark.timeout(600)
 def test_package_serves_another_pool_and_batch_as_eager_does(runner, tmp_path):
     model = runner.model
     params = {name: p for name, p in model.named_parameters()}
     values = {name: p.detach().clone() for name, p in params.items()}
     packages = DecodePackages(str(tmp_path), runner.attn_backend, "[test]")
+    before = _extracted()
     with torch.inference_mode():
         run = packages.load_or_build(model, _batch(_pool(runner, 256, 0), 3, 64), 2, 4,
                                      {"freezing": True}, "2-4")
     assert os.path.exists(packages.path("2-4"))
+    assert _extracted() == before  # the loader's copy of the library is not left behind
     # The served model kept its own parameter objects, real and unchanged.
     assert {name: p for name, p in model.named_parameters()} == params
     assert all(not isinstance(p, torch._subclasses.FakeTensor) and torch.equal(p, values[n])

@@ -13,13 +13,18 @@ from __future__ import annotations
 import torch
 
 BLOCK = 1024
+# Below this many rows torch.argmax stays: inside the served step (bf16, same process,
+# alternating) one row took 0.44-0.46 ms of sampling with it against 0.52-0.56 with the
+# blocks (their dozen small ops cost more than one row's scalar loop there); 16 rows took
+# 1.35-1.76 against 0.91-0.99 ms.
+MIN_ROWS = 4
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """int64 ``[B]``: ``torch.argmax(logits, dim=-1)`` for float ``[B, V]`` logits whose
     rows each have a finite max."""
     rows, vocab = logits.shape
-    if logits.device.type != "cpu" or vocab < 4 * BLOCK or rows == 0:
+    if logits.device.type != "cpu" or vocab < 4 * BLOCK or rows < MIN_ROWS:
         return torch.argmax(logits, dim=-1)
     full = vocab // BLOCK
     block_max = logits[:, :full * BLOCK].view(rows, full, BLOCK).amax(dim=-1)

@@ -90,18 +90,20 @@ class CompiledDecode:
         self._eager = model
         self._packages = packages
         self._runners: dict[str, Callable] = {}  # label -> loaded package (packages only)
-        compile_ = (lambda *a, **k: None) if packages else torch.compile
         # freezing: weights become constants (oneDNN-prepacked); needs no-grad/inference.
         # Batch 1 is static (Dynamo specializes a dimension of size 1 anyway); the others
         # keep B and S dynamic so a graph serves its whole range without recompiling.
-        graphs = [_Graph(1, 1, compile_(model, dynamic=False, options=dict(_AUTOTUNE)), "1", 1, _AUTOTUNE)]
         small_hi = min(SMALL_BATCH_MAX, max_bs)
+        ranges = [(1, 1, 1, _AUTOTUNE)]  # lo, hi, trace batch, options
         if small_hi >= 2:
-            graphs.append(_Graph(2, small_hi, compile_(model, dynamic=None, options=dict(_AUTOTUNE)),
-                                 f"2-{small_hi}", min(small_hi, SMALL_BATCH_TRACE), _AUTOTUNE))
+            ranges.append((2, small_hi, min(small_hi, SMALL_BATCH_TRACE), _AUTOTUNE))
         if max_bs > small_hi:
-            graphs.append(_Graph(small_hi + 1, max_bs, compile_(model, dynamic=None, options=dict(_FREEZE)),
-                                 f"{small_hi + 1}-{max_bs}", max_bs, _FREEZE))
+            ranges.append((small_hi + 1, max_bs, max_bs, _FREEZE))
+        graphs = []
+        for lo, hi, trace_bs, options in ranges:
+            compiled = None if packages else torch.compile(model, dynamic=False if hi == 1 else None,
+                                                           options=dict(options))
+            graphs.append(_Graph(lo, hi, compiled, "1" if hi == 1 else f"{lo}-{hi}", trace_bs, options))
         self._graphs = tuple(graphs)
 
     def _graph_for(self, bs: int) -> _Graph:

@@ -1,6 +1,8 @@
 """Offline Engine: real scheduler subprocess, real model, context-manager shutdown."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from srt import Engine
@@ -12,6 +14,13 @@ def engine(smollm2_dir):
                 random_seed=0) as eng:
         yield eng
     assert not any(p.is_alive() for p in eng._handles.procs), "scheduler outlived the Engine"
+    assert not os.path.exists(eng.port_args.local_dir), "the Engine left its IPC folder behind"
+
+
+def test_ipc_folder_is_private_while_serving(engine):
+    # Removed at shutdown (the fixture checks); here it holds the sockets, mode 0700.
+    folder = engine.port_args.local_dir
+    assert os.path.isdir(folder) and os.stat(folder).st_mode & 0o777 == 0o700
 
 
 def test_single_and_batch(engine, smollm2_tokenizer):

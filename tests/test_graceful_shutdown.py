@@ -87,7 +87,10 @@ def _refused(response: httpx.Response) -> bool:
 def _start(tmp_path, smollm2_dir, *flags: str):
     port = _free_port()
     log_path = tmp_path / "server.log"
-    proc = _popen(_launch_cmd(smollm2_dir, port, *FLAGS, *flags), log_path)
+    # A temp folder of its own: the exit is checked to leave no IPC folder behind.
+    (tmp_path / "tmp").mkdir()
+    proc = _popen(_launch_cmd(smollm2_dir, port, *FLAGS, *flags), log_path,
+                  env={"TMPDIR": str(tmp_path / "tmp")})
     return proc, f"http://127.0.0.1:{port}", log_path
 
 
@@ -100,6 +103,8 @@ def _exits_cleanly(proc, group: list[psutil.Process], log_path) -> float:
         pytest.fail(f"server still running {EXIT_WAIT_S} s after SIGTERM:\n{_tail(log_path)}")
     assert code == 0, _tail(log_path)
     _wait_until(lambda: not any(_alive(p) for p in group), 10, "every process of the server to exit")
+    left = list((log_path.parent / "tmp").glob("gramsync-ipc-*"))
+    assert not left, f"the server left its IPC folder behind: {left}"
     return time.monotonic() - t0
 
 

@@ -167,3 +167,33 @@ def test_int4wo_group_must_divide_the_inputs():
     with pytest.raises(ValueError, match="not a multiple of the group size 128"):
         apply_torchao_config(torch.nn.Sequential(ColumnParallelLinear(576, 8, params_dtype=torch.float32)),
                              "int4wo-128", "cpu")
+
+
+@pytest.mark.parametrize("batch, matmul_dtype", [(3, torch.float32), (16, torch.float32), (17, torch.bfloat16)])
+def test_compiled_small_batches_run_attention_matmuls_in_fp32(batch, matmul_dtype):
+    """In a compiled step up to FP32_ATTENTION_MAX_ROWS rows (the small-batch graphs) the
+    two attention matmuls of a bf16 model run in fp32 (faster at these shapes, docs/speed.md);
+    larger batches keep bf16. The traced graph is read: which dtype each matmul got."""
+    import srt.layers.attention.torch_native as native
+
+    assert native.FP32_ATTENTION_MAX_ROWS == 16
+    seen: list[torch.dtype] = []
+
+    def record(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in (torch.matmul, torch.bmm):
+                seen.append(node.meta["example_value"].dtype)
+        return gm.forward
+
+    torch._dynamo.reset()
+    layer, fb, q, _, _ = _decode_case(batch, 20, torch.bfloat16)
+    fb.token_to_kv_pool.k_buffer[0][:, 0] = 0  # bf16 NaN padding is irrelevant here
+    fb.token_to_kv_pool.v_buffer[0][:, 0] = 0
+    args = (q, fb.token_to_kv_pool.k_buffer[0], fb.token_to_kv_pool.v_buffer[0], fb.decode_kv_slots,
+            fb.decode_kv_valid, layer.num_kv_heads, layer.scaling)
+    with torch.inference_mode():
+        out = torch.compile(native.decode_attention, backend=record, dynamic=True)(*args)
+        eager = native.decode_attention(*args)  # eager: bf16 matmuls from 2 rows
+    assert seen == [matmul_dtype, matmul_dtype]
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), eager.float(), rtol=2e-2, atol=2e-2)

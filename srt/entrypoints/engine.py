@@ -29,7 +29,11 @@ class Engine:
         if self.server_args.nnodes > 1:
             raise ValueError("Engine runs on one node; use launch.py for --nnodes > 1")
         self.port_args = new_port_args(self.server_args, None)
-        self._handles = launch_schedulers(self.server_args, self.port_args)
+        try:
+            self._handles = launch_schedulers(self.server_args, self.port_args)
+        except BaseException:
+            self.port_args.remove_local_dir()
+            raise
         self.tokenizer = get_tokenizer(
             self.server_args.tokenizer_path or self.server_args.model_path,
             self.server_args.chat_template)
@@ -96,6 +100,7 @@ class Engine:
         if task is not None:  # let the cancelled receive loop finish inside its own loop
             self._loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
         self._handles.shutdown()
+        self.port_args.remove_local_dir()
         self._loop.close()
 
     def __enter__(self) -> "Engine":

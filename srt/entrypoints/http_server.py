@@ -82,8 +82,11 @@ def launch_server(server_args) -> None:
     host = (server_args.dist_init_addr or "").rpartition(":")[0] or None
     port_args = new_port_args(server_args, host)
     tokenizer = prefetch_tokenizer(server_args)
-    serve(server_args, port_args, launch_schedulers(server_args, port_args, defer_stop_signals=True),
-          tokenizer)
+    try:
+        serve(server_args, port_args, launch_schedulers(server_args, port_args, defer_stop_signals=True),
+              tokenizer)
+    finally:
+        port_args.remove_local_dir()
 
 
 def prefetch_tokenizer(server_args) -> Future:

@@ -137,7 +137,7 @@ def launch_schedulers(server_args: ServerArgs, port_args: PortArgs,
     transport = transport_for(port_args, server_args.cluster_secret_file, "launcher")
     ready, _ = transport.bind(zmq.PULL, port_args.ready_ipc)  # checks its directory is private
     # One node: the IPC files' private (mkdtemp, 0700) directory also holds torch's store.
-    run_dir = None if port_args.is_tcp else os.path.dirname(port_args.ready_ipc[len("ipc://"):])
+    run_dir = port_args.local_dir
     handles = SchedulerHandles([])
     try:
         dist = dist_config(server_args, run_dir=run_dir)

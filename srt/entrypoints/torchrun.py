@@ -126,9 +126,12 @@ def run_frontend(server_args: ServerArgs, port_args, parent_pid: int) -> None:
     transport = transport_for(port_args, server_args.cluster_secret_file, "launcher")
     ready, _ = transport.bind(zmq.PULL, port_args.ready_ipc)
     try:
-        wait_for_ranks(ready, server_args, handles)
-    except RuntimeError as e:
-        sys.exit(f"gramsync: {e}")
+        try:
+            wait_for_ranks(ready, server_args, handles)
+        except RuntimeError as e:
+            sys.exit(f"gramsync: {e}")
+        finally:
+            transport.close()
+        serve(server_args, port_args, handles, tokenizer)
     finally:
-        transport.close()
-    serve(server_args, port_args, handles, tokenizer)
+        port_args.remove_local_dir()

@@ -2,6 +2,8 @@
 codec each socket decodes with (typed msgpack, ``wire.py``; never pickle)."""
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -156,6 +158,17 @@ class PortArgs:
     @property
     def is_tcp(self) -> bool:
         return self.ready_ipc.startswith("tcp://")
+
+    @property
+    def local_dir(self) -> Optional[str]:
+        """The private directory of the IPC files (and torch's store), None over TCP."""
+        return None if self.is_tcp else os.path.dirname(self.ready_ipc[len("ipc://"):])
+
+    def remove_local_dir(self) -> None:
+        """Remove the IPC directory: its creator does, once the server has stopped (each
+        start made a new one, and none was ever removed)."""
+        if self.local_dir is not None:
+            shutil.rmtree(self.local_dir, ignore_errors=True)
 
     @classmethod
     def new(cls, dp_size: int = 1, tcp_host: Optional[str] = None) -> "PortArgs":

@@ -11,7 +11,7 @@ the slot table): compiled, bf16, per layer, 1.6 ms in place vs 0.47 ms gather + 
 batch 32 x 100 keys, and 4.7 vs 3.6 ms at 64 x 150; equal at batch 1. The copy is small
 (the batch's keys, not the pool) and makes the matmuls contiguous, so it stays. The table's
 key count is rounded up to ``DECODE_KEY_BUCKET`` so the matmul shapes repeat from step to
-step, and a single row computes in fp32 (both measured in docs/speed.md).
+step, and small batches compute in fp32 (both measured in docs/speed.md).
 Extend (prefill) runs SDPA per sequence: prompt lengths differ, torch has no varlen SDPA
 on CPU, and a padded batch wastes the compute that dominates prefill; a sequence's loop
 iteration costs microseconds next to its matmuls.
@@ -29,6 +29,12 @@ from srt.layers.attention.base import AttentionBackend
 # oneDNN JIT-compiles a bf16 matmul for every new shape (~0.6 ms; ~30 us once cached), and
 # an S that grows by one each step made every step's first layer pay it (docs/speed.md).
 DECODE_KEY_BUCKET = 64
+# In a compiled step, up to this many rows (the small-batch graphs, compiled_decode.py)
+# decode attention's two matmuls run in fp32 (MKL) rather than bf16 (oneDNN, ~55-70 us a
+# call at these tiny shapes): the bf16 step 0.84-0.89x at 2-8 rows, 1.02x at 16
+# (docs/speed.md). Eager, fp32 loses from 8 rows (its casts are separate ops), so there
+# only one row computes in fp32.
+FP32_ATTENTION_MAX_ROWS = 16
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -90,9 +96,11 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     B, S = slots.shape
     H, D = q.shape[1], q.shape[2]
     KVH = num_kv_heads
-    # One row: fp32 matmuls (MKL, ~12 us) beat bf16's oneDNN calls (~30 us each) at these
-    # tiny shapes; with more rows bf16 reads half the bytes and wins (docs/speed.md).
-    dtype = torch.float32 if B == 1 else q.dtype
+    # fp32 matmuls (MKL, ~12 us a call) beat bf16's oneDNN calls at these tiny shapes. The
+    # comparison is decided while tracing: each compiled graph's batch range lies wholly
+    # on one side of it (docs/speed.md).
+    fp32_rows = FP32_ATTENTION_MAX_ROWS if torch.compiler.is_compiling() else 1
+    dtype = torch.float32 if B <= fp32_rows else q.dtype
     qg = q.view(B, KVH, H // KVH, D).transpose(0, 1).to(dtype)  # [KVH, B, G, D]
     flat = slots.reshape(-1)
     k = k_buf.index_select(1, flat).view(KVH, B, S, D).to(dtype)

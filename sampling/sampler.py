@@ -68,7 +68,7 @@ class Sampler:
     def _workspace_for(self, logits: torch.Tensor) -> torch.Tensor:
         key = (logits.device, logits.shape[1])
         ws = self._workspace.get(key)
-        if ws is None or ws.shape[0] < workspace_rows(len(logits), logits.shape[1]):
+        if ws is None or ws.shape[0] < workspace_rows(len(logits), logits.shape[1], logits.device):
             ws = self._workspace[key] = workspace_for(len(logits), logits.shape[1], logits.device)
         return ws
 

@@ -24,6 +24,7 @@ import torch
 
 BLOCK = 1024  # tokens per block of the two-level inverse CDF
 CHUNK_ELEMENTS = 1 << 21  # floats per workspace pass (8 MB): stays in cache, and few passes
+CUDA_CHUNK_ELEMENTS = 1 << 26  # 256 MB on a GPU: 256 rows of a 248k vocabulary in one pass
 INITIAL_CANDIDATES = 256
 
 
@@ -39,15 +40,17 @@ def inverse_cdf(weights: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, idx, last_positive)
 
 
-def workspace_rows(batch_rows: int, vocab_size: int) -> int:
-    """Rows per pass: as many as fit CHUNK_ELEMENTS (fewer, larger ops keep both cores busy)."""
-    return max(1, min(batch_rows, CHUNK_ELEMENTS // vocab_size))
+def workspace_rows(batch_rows: int, vocab_size: int, device="cpu") -> int:
+    """Rows per pass: as many as fit the device's chunk (fewer, larger ops keep the cores
+    busy). A GPU has no cache to stay in but pays a launch per op: it takes the whole batch."""
+    chunk = CUDA_CHUNK_ELEMENTS if torch.device(device).type == "cuda" else CHUNK_ELEMENTS
+    return max(1, min(batch_rows, chunk // vocab_size))
 
 
 def workspace_for(batch_rows: int, vocab_size: int, device) -> torch.Tensor:
     """Zeroed once: the padding columns past the vocabulary are never written, so stay 0."""
     nb = -(-vocab_size // BLOCK)
-    return torch.zeros((workspace_rows(batch_rows, vocab_size), nb * BLOCK),
+    return torch.zeros((workspace_rows(batch_rows, vocab_size, device), nb * BLOCK),
                        dtype=torch.float32, device=device)
 
 

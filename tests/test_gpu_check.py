@@ -45,6 +45,28 @@ def test_junit_report_gives_one_check_per_case_and_the_exit_status(tmp_path):
     assert gpu_check.exit_status([checks[0]], has_cuda=False) == 2
 
 
+def test_a_pytest_run_that_stopped_in_collection_is_a_failure_not_a_pass():
+    """The first run on a GPU stopped in collection (a usage error) after one skipped case;
+    read from the report alone it looked like a pass."""
+    skipped = [gpu_check.Check("test_lm_eval::", "SKIP", "collection skipped")]
+    for code in (2, 3, 4, 5):
+        checks = skipped + gpu_check.pytest_exit_checks(code)
+        assert [c.status for c in checks] == ["SKIP", "FAIL"]
+        assert gpu_check.exit_status(checks, has_cuda=True) == 1
+    assert gpu_check.pytest_exit_checks(4)[0].detail.startswith("pytest exited 4 (usage error)")
+    assert gpu_check.pytest_exit_checks(0) == gpu_check.pytest_exit_checks(1) == []
+
+
+def test_sampler_row_says_how_many_speed_goals_were_met():
+    import gpu_timings
+
+    out = ("   64  248320 top-p   321 [23-3293]  2.165  3.902  0.6x\n\ngoal: >= 3x at batch 64\n"
+           "  V=49152   top-p          0.1x  NOT met\n  V=248320  top-k+top-p    3.3x  met\n")
+    assert gpu_timings.sampler_goal_detail(out) == (
+        "valid draws; speed goal >= 3x at batch 64 met 1/2: V=49152 top-p 0.1x, V=248320 top-k+top-p 3.3x")
+    assert gpu_timings.sampler_goal_detail("no goals") == "valid draws; no goal lines in its output"
+
+
 def test_self_check_batch_is_at_serving_lengths_and_runs(smollm2_dir, smollm2_tokenizer):
     from srt.cuda_graph_runner import real_length_inputs
     from tests.test_compiled_decode import _scheduler

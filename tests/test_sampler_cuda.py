@@ -30,6 +30,28 @@ def test_seeded_rows_sample_the_same_tokens_on_cuda_as_on_cpu():
     assert torch.equal(cpu, gpu.cpu())
 
 
+def test_seeded_temperature_only_rows_sample_the_same_tokens_on_cuda_as_on_cpu():
+    """Unfiltered rows (the two-level inverse CDF, the whole batch in one pass on CUDA)."""
+    torch.manual_seed(1)
+    vocab = 49152 + 7
+    logits = torch.randn(16, vocab) * 3
+    params = [SamplingParams(temperature=0.5 + 0.1 * i, seed=200 + i) for i in range(16)]
+    cpu = Sampler()(logits.clone(), _info(params, vocab, "cpu"))
+    gpu = Sampler()(logits.clone().cuda(), _info(params, vocab, "cuda"))
+    assert torch.equal(cpu, gpu.cpu())
+
+
+def test_unseeded_temperature_only_rows_on_cuda_match_the_softmax_distribution():
+    torch.manual_seed(0)
+    vocab, n = 1000, 200_000
+    row = torch.randn(vocab) * 2
+    info = _info([SamplingParams(temperature=0.7)] * n, vocab, "cuda")
+    ids = Sampler()(row.cuda().expand(n, vocab).contiguous(), info).cpu()
+    ref = torch.softmax(row.double() / 0.7, -1)
+    emp = torch.bincount(ids, minlength=vocab).double() / n
+    assert 0.5 * (emp - ref).abs().sum() < 0.02
+
+
 @pytest.mark.skipif(not flashinfer_backend.installed(), reason="flashinfer not installed")
 def test_flashinfer_path_matches_the_reference_distribution():
     torch.manual_seed(0)

@@ -7,7 +7,8 @@ most of the speed comes from on CPU (docs/speed.md), and the layers' small ops (
 rotary, residual adds, SiLU) fuse into a few loops. Up to 16 rows a step is a weight
 read, and those graphs are compiled with max-autotune, which picks Inductor's C++ GEMM
 template per weight shape where it beats ATen: it streams the weights at close to this
-CPU's read bandwidth where oneDNN reaches about half of it.
+CPU's read bandwidth where oneDNN reaches about half of it (fp32, and bf16 with AMX; bf16
+without AMX leaves the template out: ``small_batch_options``).
 
 Graphs: batch 1 (static), batches 2-16 (dynamic) and batches 17 to
 ``--torch-compile-max-bs`` (dynamic, oneDNN: compute-bound there), each dynamic graph
@@ -42,6 +43,7 @@ from typing import Callable
 import torch
 
 from srt.aoti_decode import DecodePackages
+from srt.compile_cache import cpu_flags
 from srt.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,18 @@ SMALL_BATCH_MAX = 16
 # where the template takes ~0.6; at 8 it picks the template for every shape, which serves
 # 16 rows as fast as a graph traced at 16 (fp32 AVX2, docs/speed.md).
 SMALL_BATCH_TRACE = 8
+
+
+def small_batch_options(dtype: torch.dtype, cpu_flags: list[str]) -> dict:
+    """The options of the graphs up to SMALL_BATCH_MAX rows. bf16 without AMX leaves the
+    C++ template out: its bf16 micro-kernel there widens every weight to fp32 (no AMX tile
+    kernel), and max-autotune, timing each GEMM with its weight warm in cache, still picks
+    it for batch 1, where in the real step (weights streaming from memory) oneDNN's packed
+    bf16 GEMM is faster: batch-1 step 13.4 against 10.0 ms, 2-16 rows equal (AMD EPYC,
+    AVX512-BF16, docs/speed.md). With AMX, and in fp32, the template stays a candidate."""
+    if dtype == torch.bfloat16 and "amx_bf16" not in cpu_flags:
+        return {**_AUTOTUNE, "max_autotune_gemm_backends": "ATEN"}
+    return _AUTOTUNE
 
 
 @dataclass(frozen=True)
@@ -94,9 +108,10 @@ class CompiledDecode:
         # Batch 1 is static (Dynamo specializes a dimension of size 1 anyway); the others
         # keep B and S dynamic so a graph serves its whole range without recompiling.
         small_hi = min(SMALL_BATCH_MAX, max_bs)
-        ranges = [(1, 1, 1, _AUTOTUNE)]  # lo, hi, trace batch, options
+        small = small_batch_options(next(model.parameters()).dtype, cpu_flags())
+        ranges = [(1, 1, 1, small)]  # lo, hi, trace batch, options
         if small_hi >= 2:
-            ranges.append((2, small_hi, min(small_hi, SMALL_BATCH_TRACE), _AUTOTUNE))
+            ranges.append((2, small_hi, min(small_hi, SMALL_BATCH_TRACE), small))
         if max_bs > small_hi:
             ranges.append((small_hi + 1, max_bs, max_bs, _FREEZE))
         graphs = []

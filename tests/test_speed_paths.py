@@ -197,3 +197,19 @@ def test_compiled_small_batches_run_attention_matmuls_in_fp32(batch, matmul_dtyp
     assert seen == [matmul_dtype, matmul_dtype]
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), eager.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_small_batch_graphs_leave_the_cpp_gemm_template_out_only_for_bf16_without_amx():
+    """bf16 on AVX512-BF16 without AMX: oneDNN alone (the template's fp32-widening bf16
+    kernel lost the batch-1 step, 13.4 vs 10.0 ms); with AMX, and in fp32, the template
+    stays a max-autotune candidate. The graphs of a real CompiledDecode get these options."""
+    import srt.compiled_decode as cd
+
+    assert cd.small_batch_options(torch.bfloat16, ["avx2", "avx512_bf16"])["max_autotune_gemm_backends"] == "ATEN"
+    assert cd.small_batch_options(torch.bfloat16, ["avx512_bf16", "amx_bf16"])["max_autotune_gemm_backends"] == "CPP,ATEN"
+    assert cd.small_batch_options(torch.float32, ["avx2"])["max_autotune_gemm_backends"] == "CPP,ATEN"
+    for dtype in (torch.float32, torch.bfloat16):
+        model = torch.nn.Linear(4, 4).to(dtype)
+        graphs = cd.CompiledDecode(model, 32, "[test]")._graphs
+        want = cd.small_batch_options(dtype, cd.cpu_flags())
+        assert [(g.label, g.options) for g in graphs] == [("1", want), ("2-16", want), ("17-32", cd._FREEZE)]

@@ -26,6 +26,9 @@ BLOCK = 1024  # tokens per block of the two-level inverse CDF
 CHUNK_ELEMENTS = 1 << 21  # floats per workspace pass (8 MB): stays in cache, and few passes
 CUDA_CHUNK_ELEMENTS = 1 << 26  # 256 MB on a GPU: 256 rows of a 248k vocabulary in one pass
 INITIAL_CANDIDATES = 256
+# On a GPU each retry pass costs dozens of launches and host syncs while a wider topk costs
+# little, so rows without a small top-k (top-p / min-p alone) start this wide there.
+CUDA_INITIAL_CANDIDATES = 4096
 
 
 def inverse_cdf(weights: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -105,7 +108,8 @@ def sample_filtered(logits: torch.Tensor, inv_temps: torch.Tensor, top_ks: torch
     b, v = logits.shape
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     small_ks = top_ks[top_ks <= 4 * INITIAL_CANDIDATES]
-    k = min(v, max(INITIAL_CANDIDATES, int(small_ks.max()) if len(small_ks) else 0))
+    initial = CUDA_INITIAL_CANDIDATES if logits.is_cuda and len(small_ks) < b else INITIAL_CANDIDATES
+    k = min(v, max(initial, int(small_ks.max()) if len(small_ks) else 0))
     todo = torch.arange(b, device=logits.device)
     z = None
     while len(todo):

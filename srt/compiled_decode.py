@@ -68,14 +68,14 @@ SMALL_BATCH_MAX = 16
 SMALL_BATCH_TRACE = 8
 
 
-def small_batch_options(dtype: torch.dtype, cpu_flags: list[str]) -> dict:
+def small_batch_options(dtype: torch.dtype, flags: list[str]) -> dict:
     """The options of the graphs up to SMALL_BATCH_MAX rows. bf16 without AMX leaves the
     C++ template out: its bf16 micro-kernel there widens every weight to fp32 (no AMX tile
     kernel), and max-autotune, timing each GEMM with its weight warm in cache, still picks
     it for batch 1, where in the real step (weights streaming from memory) oneDNN's packed
     bf16 GEMM is faster: batch-1 step 13.4 against 10.0 ms, 2-16 rows equal (AMD EPYC,
     AVX512-BF16, docs/speed.md). With AMX, and in fp32, the template stays a candidate."""
-    if dtype == torch.bfloat16 and "amx_bf16" not in cpu_flags:
+    if dtype == torch.bfloat16 and "amx_bf16" not in flags:
         return {**_AUTOTUNE, "max_autotune_gemm_backends": "ATEN"}
     return _AUTOTUNE
 

@@ -16,7 +16,7 @@ from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
 from srt.aoti_decode import DecodePackages
 from srt.compile_builder import BuildOrder, CompileBuilder
-from srt.compile_cache import cache_complete, inductor_cache_counts, mark_complete, use_compile_cache
+from srt.compile_cache import cache_complete, cpu_flags, inductor_cache_counts, mark_complete, use_compile_cache
 from srt.compiled_decode import CompiledDecode
 from srt.compiled_prefill import CompiledPrefill
 from srt.compiled_switch import CompiledSwitch
@@ -38,11 +38,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls run 2-4x faster than fp32 (measured on Zen 4)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> None:
     if _HERE not in sys.path:
         sys.path.insert(0, _HERE)
     check_own_packages()
+    if argv is None:  # the command line: run it again with the allocator preloaded
+        from srt.cpu_allocator import reexec_with_allocator
+
+        reexec_with_allocator()
     from srt.entrypoints.http_server import launch_server
     from srt.entrypoints.torchrun import torchrun_main, under_torchrun
     from srt.server_args import ServerArgs

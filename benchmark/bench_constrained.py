@@ -145,6 +145,9 @@ def profile_diff(sched, tok, managers, a) -> None:
 
 
 def main() -> None:
+    from srt.cpu_allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # measure with the allocator the server's ranks use
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="32,1", help="comma-separated levels")
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -84,6 +84,9 @@ def run_round(sched, reqs, mixed: bool, tag: str) -> dict:
 
 
 def main():
+    from srt.cpu_allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # measure with the allocator the server's ranks use
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", type=float, default=4.5, help="requests per second (Poisson)")
     p.add_argument("--num-prompts", type=int, default=48)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -119,6 +120,9 @@ def print_breakdown(rows, floors) -> None:
 
 
 def main():
+    from srt.cpu_allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # measure with the allocator the server's ranks use
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -159,8 +163,12 @@ def main():
     bw = machine_floor.read_bandwidth_gbs()
     peak = machine_floor.matmul_peak_gflops(getattr(torch, dtype))
     report.update(read_gbs=bw, matmul_gflops=peak)
+    from srt.cpu_allocator import loaded_allocator
+
+    report["allocator"] = os.path.basename(loaded_allocator() or "glibc")
     print(f"cpu={report['cpu']} flags={report['cpu_flags']} dtype={dtype} threads={report['threads']} "
-          f"torchao={args.torchao_config} compile={not args.disable_torch_compile}")
+          f"torchao={args.torchao_config} compile={not args.disable_torch_compile} "
+          f"allocator={report['allocator']}")
     print(f"floors: read {bw:.1f} GB/s, {dtype} matmul {peak:.0f} GFLOP/s")
 
     levels = [int(c) for c in args.breakdown.split(",") if c]

@@ -64,6 +64,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def main() -> None:
+    from srt.cpu_allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # measure with the allocator the server's ranks use
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--torchao-config", default="int8wo")
     ap.add_argument("--dtype", default="auto")

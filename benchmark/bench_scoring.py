@@ -444,6 +444,9 @@ def print_breakdown(n_tokens: int, server_walls: list | None, head: str | None, 
 
 
 def main() -> None:
+    from srt.cpu_allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # measure with the allocator the server's ranks use
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight; the reference's batch size")

@@ -117,16 +117,19 @@ class SchedulerHandles:
 
 def spawn_local_ranks(server_args: ServerArgs, port_args: Optional[PortArgs],
                       dist: DistConfig, defer_stop_signals: bool = False) -> list[mp.Process]:
+    from srt.cpu_allocator import children_preloaded
+
     ctx = mp.get_context("spawn")
     procs = []
-    for world_rank in local_world_ranks(server_args.tp_size, server_args.dp_size,
-                                        server_args.nnodes, server_args.node_rank):
-        rank = RankInfo.for_world_rank(world_rank, server_args.tp_size, server_args.dp_size,
-                                       server_args.nnodes)
-        launch = RankLaunch(server_args, rank, dist, port_args, defer_stop_signals)
-        proc = ctx.Process(target=run_scheduler_process, name=rank.name, args=(launch,), daemon=True)
-        proc.start()
-        procs.append(proc)
+    with children_preloaded():  # the ranks start with the allocator preloaded (cpu_allocator.py)
+        for world_rank in local_world_ranks(server_args.tp_size, server_args.dp_size,
+                                            server_args.nnodes, server_args.node_rank):
+            rank = RankInfo.for_world_rank(world_rank, server_args.tp_size, server_args.dp_size,
+                                           server_args.nnodes)
+            launch = RankLaunch(server_args, rank, dist, port_args, defer_stop_signals)
+            proc = ctx.Process(target=run_scheduler_process, name=rank.name, args=(launch,), daemon=True)
+            proc.start()
+            procs.append(proc)
     return procs
 
 

@@ -63,7 +63,9 @@ def run_scheduler_process(launch: RankLaunch) -> None:
     """The rank process's whole life: set up, start (or report why not), serve."""
     _setup_process(launch)
     rank = _start_rank(launch)  # exits 1 if the rank cannot start
-    logger.info("scheduler ready (pid %d)", os.getpid())
+    from srt.cpu_allocator import loaded_allocator
+
+    logger.info("scheduler ready (pid %d, allocator %s)", os.getpid(), loaded_allocator() or "glibc")
     from srt.scheduler.watchdog import Watchdog
 
     watchdog = Watchdog(rank.server_args.watchdog_timeout, launch.rank_info.log_prefix)

@@ -6,8 +6,8 @@ With an int4 config on CPU it also runs the int4 model compiled and prints
 ``int4 vs <dtype> compiled: ratio <x>x`` (int4's batch-1 step over the unquantized
 compiled step of the same dtype; the issue's target reads the bf16 line, <= 0.6x).
 
-For each of {unquantized, quantized}, on the in-process scheduler, both eager (the
-quantized model is not compiled by default) and the unquantized default (compiled):
+For each of {unquantized, quantized}, on the in-process scheduler, both eager and the
+unquantized default (compiled; int8wo is not compiled by default, CPU int4 is):
 batch-1 time per output token (median decode step), greedy tokens on the benchmark prompts
 (agreement = share of positions equal to the unquantized eager run's, up to the first
 difference per prompt), and perplexity of benchmark/data/perplexity_text.txt.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 from pathlib import Path
 
@@ -81,10 +82,11 @@ def main() -> None:
     prompts = [apply_chat_template(tok, m) for m in chat_prompts(16)]
     text_ids = tok(TEXT.read_text())["input_ids"]
     configs = {"unquantized eager": {"disable_torch_compile": True},
-               f"{args.torchao_config} eager": {"torchao_config": args.torchao_config},
+               f"{args.torchao_config} eager": {"torchao_config": args.torchao_config,
+                                                 "disable_torch_compile": True},
                "unquantized compiled": {}}
     int4 = args.torchao_config.startswith("int4wo-")
-    if int4:  # the CPU int4 kernel compiles (opt-in: --enable-torch-compile)
+    if int4:  # CPU int4 compiles (AOTInductor packages at TP=1, as the plain model)
         configs[f"{args.torchao_config} compiled"] = {"torchao_config": args.torchao_config,
                                                       "enable_torch_compile": True}
     rows, ref = {}, None
@@ -97,6 +99,11 @@ def main() -> None:
         rows[name] = (1e3 * tpot, agreement(out, ref), perplexity(sched, text_ids), sched.runner.dtype)
         del sched
     base = rows["unquantized eager"][0]
+    import machine_floor
+    from srt.cpu_allocator import loaded_allocator
+
+    print(f"\ncpu={machine_floor.cpu_model()} flags={machine_floor.cpu_flags()} threads={torch.get_num_threads()} "
+          f"allocator={os.path.basename(loaded_allocator() or 'glibc')}")
     print(f"\nbatch-1 decode, {len(text_ids)}-token perplexity text, greedy agreement over "
           f"{len(prompts)} prompts x {args.new_tokens} tokens")
     print(f"{'config':<24}{'dtype':>16}{'TPOT ms':>9}{'vs eager':>9}{'agree':>7}{'ppl':>8}")

@@ -68,16 +68,28 @@ SMALL_BATCH_MAX = 16
 SMALL_BATCH_TRACE = 8
 
 
-def small_batch_options(dtype: torch.dtype, flags: list[str]) -> dict:
+def small_batch_options(dtype: torch.dtype, flags: list[str], dense: bool = True) -> dict:
     """The options of the graphs up to SMALL_BATCH_MAX rows. bf16 without AMX leaves the
     C++ template out: its bf16 micro-kernel there widens every weight to fp32 (no AMX tile
     kernel), and max-autotune, timing each GEMM with its weight warm in cache, still picks
     it for batch 1, where in the real step (weights streaming from memory) oneDNN's packed
     bf16 GEMM is faster: batch-1 step 13.4 against 10.0 ms, 2-16 rows equal (AMD EPYC,
-    AVX512-BF16, docs/speed.md). With AMX, and in fp32, the template stays a candidate."""
-    if dtype == torch.bfloat16 and "amx_bf16" not in flags:
+    AVX512-BF16, docs/speed.md). With AMX, and in fp32, the template stays a candidate,
+    and so it does for a CPU int4 model (``dense=False``: no dense bf16 GEMM left, and the
+    template's weight-only int8 kernel beats ATen's for its LM head: batch-1 step 3.4-3.8
+    against 4.1-4.6 ms, AMD EPYC)."""
+    if dtype == torch.bfloat16 and "amx_bf16" not in flags and dense:
         return {**_AUTOTUNE, "max_autotune_gemm_backends": "ATEN"}
     return _AUTOTUNE
+
+
+def _has_dense_linear(model: torch.nn.Module) -> bool:
+    """False where every linear layer runs a weight-only int4 / int8 kernel (CPU int4)."""
+    from srt.layers.cpu_int4_linear import Int4Weight
+    from srt.layers.cpu_int8_linear import Int8Weight
+
+    layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    return not layers or any(not isinstance(m.packed_weight, (Int4Weight, Int8Weight)) for m in layers)
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,7 @@ class CompiledDecode:
         # Batch 1 is static (Dynamo specializes a dimension of size 1 anyway); the others
         # keep B and S dynamic so a graph serves its whole range without recompiling.
         small_hi = min(SMALL_BATCH_MAX, max_bs)
-        small = small_batch_options(next(model.parameters()).dtype, cpu_flags())
+        small = small_batch_options(next(model.parameters()).dtype, cpu_flags(), _has_dense_linear(model))
         ranges = [(1, 1, 1, small)]  # lo, hi, trace batch, options
         if small_hi >= 2:
             ranges.append((2, small_hi, min(small_hi, SMALL_BATCH_TRACE), small))

@@ -141,7 +141,7 @@ GRAMSYNC_COMPILE_CACHE = EnvVar(
 )
 GRAMSYNC_AOTI_DECODE = EnvVar(
     "GRAMSYNC_AOTI_DECODE", bool, True,
-    "On CPU at TP=1, build the compiled decode graphs as AOTInductor packages (loaded in about "
+    "On CPU at TP=1 (plain or int4 weights), build the compiled decode graphs as AOTInductor packages (loaded in about "
     "a second at a restart, no tracing, no guards per step; docs/speed.md 'Restarts'). 0: "
     "torch.compile's graphs, as at TP > 1.",
 )

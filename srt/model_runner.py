@@ -66,7 +66,8 @@ class ModelRunner:
         self.model = load_model(model_config, tp, self.dtype, self.device)
         if server_args.torchao_config:
             apply_torchao_config(self.model, server_args.torchao_config, self.device, rank_info.log_prefix)
-        # oneDNN-packed weights for the eager step; with int4 only the LM head still has one.
+        # oneDNN-packed weights for the eager step; with int4 only a layer that neither the
+        # int4 nor the int8 kernel took (none where torch has both).
         if self.device == "cpu" and environ.GRAMSYNC_CPU_PACKED_LINEAR.get() and (
                 self._cpu_int4() or not (server_args.torchao_config or self._want_compile())):
             pack_linear_weights(self.model, self.dtype, rank_info.log_prefix)
@@ -123,9 +124,10 @@ class ModelRunner:
 
     def _decode_as_packages(self) -> bool:
         """AOTInductor packages for the decode graphs (aoti_decode.py): on CPU at TP=1, on
-        plain weights (torchao's tensor subclasses and TP's in-graph collectives keep
-        torch.compile)."""
-        return (self.device == "cpu" and self.tp.is_single and not self.server_args.torchao_config
+        plain weights or CPU int4 (torch's own int4 / int8 ops on plain tensors); torchao's
+        tensor subclasses (int8wo) and TP's in-graph collectives keep torch.compile."""
+        return (self.device == "cpu" and self.tp.is_single
+                and (not self.server_args.torchao_config or self._cpu_int4())
                 and environ.GRAMSYNC_AOTI_DECODE.get())
 
     def _cpu_int4(self) -> bool:
@@ -138,9 +140,10 @@ class ModelRunner:
         if args.enable_torch_compile:
             return True
         # auto: measured faster on CPU (docs/speed.md); on CUDA, CUDA graphs instead;
-        # torchao's quantized tensors took over 5 minutes to compile here.
+        # torchao's quantized tensors (int8wo) took over 5 minutes to compile here. CPU int4
+        # at TP=1 builds AOTInductor packages like the plain model (~1 minute a graph).
         return (environ.GRAMSYNC_TORCH_COMPILE_AUTO.get() and self.device == "cpu"
-                and not args.torchao_config)
+                and (not args.torchao_config or (self._cpu_int4() and self.tp.is_single)))
 
     def _want_cuda_graph(self) -> bool:
         args = self.server_args

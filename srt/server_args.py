@@ -62,7 +62,7 @@ class ServerArgs:
     random_seed: Optional[int] = _f(None, "Seed for unseeded sampling (default: random, shared by all ranks).")
     # Speed (docs/speed.md)
     attention_backend: str = _f("auto", "Attention kernels: torch_native (plain torch; the CPU backend) or triton (CUDA); auto picks by device.", ["auto", "torch_native", "triton"])
-    enable_torch_compile: bool = _f(False, "Compile the decode step and the prefill with torch.compile even where the default would not (GRAMSYNC_TORCH_COMPILE_AUTO=0, torchao).")
+    enable_torch_compile: bool = _f(False, "Compile the decode step and the prefill with torch.compile even where the default would not (GRAMSYNC_TORCH_COMPILE_AUTO=0, int8wo, int4 at TP > 1).")
     disable_torch_compile: bool = _f(False, "Never compile; run every step eagerly (default: compile the decode step and the prefill on CPU at any TP, where they measure faster).")
     wait_for_torch_compile: bool = _f(False, "Report ready only once the decode step and the prefill are compiled (benchmarks). Default: serve eagerly while they compile in the background.")
     torch_compile_max_bs: int = _f(64, "Largest decode batch run by the compiled step; larger batches run eagerly.")

@@ -112,3 +112,34 @@ def test_a_folder_of_its_own_is_removed_once_loaded(runner):
     assert os.path.isdir(packages.folder)
     packages.done()
     assert not os.path.exists(packages.folder)
+
+
+@pytest.mark.timeout(600)
+def test_cpu_int4_model_builds_a_package_that_matches_its_eager_step(smollm2_dir, tmp_path):
+    """``--torchao-config int4wo-32`` on CPU (int4 decoder, int8 LM head: torch's own ops on
+    plain tensors) exports and compiles like the plain model, and the package's logits are
+    the eager int4 step's."""
+    pytest.importorskip("torchao")
+    from distributed.parallel_state import SINGLE_RANK, RankInfo
+    from srt.layers.cpu_int8_linear import Int8Weight
+    from srt.model_config import ModelConfig
+    from srt.model_runner import ModelRunner
+    from srt.server_args import ServerArgs, parse_model_overrides
+
+    overrides = '{"num_hidden_layers": 1}'
+    args = ServerArgs(model_path=smollm2_dir, dtype="float32", max_running_requests=2, max_total_tokens=256,
+                      json_model_override_args=overrides, disable_torch_compile=True,
+                      torchao_config="int4wo-32")
+    runner = ModelRunner(args, ModelConfig.from_path(smollm2_dir, None, parse_model_overrides(overrides)),
+                         RankInfo(), SINGLE_RANK)
+    assert isinstance(runner.model.lm_head.packed_weight, Int8Weight)
+    packages = DecodePackages(str(tmp_path), runner.attn_backend, "[test]")
+    with torch.inference_mode():
+        run = packages.load_or_build(runner.model, _batch(_pool(runner, 256, 0), 1, 64), 1, 1,
+                                     {"freezing": True}, "1")
+        for keys in (64, 30):
+            served, eager = _pool(runner, 512, keys), _pool(runner, 512, keys)
+            got = run(_batch(served, 1, keys))
+            want = runner.model(_batch(eager, 1, keys))
+            assert got.shape == want.shape == (1, runner.model_config.vocab_size)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)  # equal bit for bit here

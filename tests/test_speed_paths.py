@@ -159,6 +159,28 @@ def test_int4wo_on_cpu_runs_torchs_int4_kernel_and_stays_close():
     assert (out - want).abs().max().item() < 1e-2 * want.abs().max().item()
 
 
+def test_int8_head_kernel_applies_the_row_scaled_weight():
+    """The int8 LM head of an int4 model on CPU: the weight the kernel applies (read back
+    through the identity) is within half a quantization step of the dense one in every
+    row (up to bf16 rounding), and an fp32 model's head gets bf16-rounded inputs and gives fp32 back."""
+    from srt.layers.cpu_int8_linear import int8_linear, quantize_int8
+
+    torch.manual_seed(0)
+    dense = torch.randn(200, 64) * 0.05
+    w = quantize_int8(dense)
+    assert w.qdata.dtype == torch.int8 and w.qdata.abs().max().item() == 127
+    applied = int8_linear(torch.eye(64), w, None).t()  # [200, 64]
+    half_step = (dense.abs().amax(1, keepdim=True) / 127 / 2)
+    bf16_rounding = dense.abs() * 2 ** -7  # the bf16 scale and the bf16 output
+    assert ((applied - dense).abs() <= half_step + bf16_rounding).all()
+    assert not torch.equal(applied, dense)
+    x = torch.randn(3, 64)
+    out = int8_linear(x, w, None)
+    assert out.dtype == torch.float32 and out.shape == (3, 200)
+    want = x.to(torch.bfloat16).float() @ applied.t()
+    assert (out - want).abs().max().item() < 1e-2 * want.abs().max().item()
+
+
 def test_int4wo_group_must_divide_the_inputs():
     pytest.importorskip("torchao")
     from srt.layers.linear import ColumnParallelLinear
@@ -208,8 +230,21 @@ def test_small_batch_graphs_leave_the_cpp_gemm_template_out_only_for_bf16_withou
     assert cd.small_batch_options(torch.bfloat16, ["avx2", "avx512_bf16"])["max_autotune_gemm_backends"] == "ATEN"
     assert cd.small_batch_options(torch.bfloat16, ["avx512_bf16", "amx_bf16"])["max_autotune_gemm_backends"] == "CPP,ATEN"
     assert cd.small_batch_options(torch.float32, ["avx2"])["max_autotune_gemm_backends"] == "CPP,ATEN"
+    # A CPU int4 model (int4 decoder, int8 head) has no dense GEMM: the template stays.
+    assert cd.small_batch_options(torch.bfloat16, ["avx512_bf16"], dense=False)["max_autotune_gemm_backends"] \
+        == "CPP,ATEN"
     for dtype in (torch.float32, torch.bfloat16):
         model = torch.nn.Linear(4, 4).to(dtype)
         graphs = cd.CompiledDecode(model, 32, "[test]")._graphs
         want = cd.small_batch_options(dtype, cd.cpu_flags())
         assert [(g.label, g.options) for g in graphs] == [("1", want), ("2-16", want), ("17-32", cd._FREEZE)]
+    from srt.layers.cpu_int4_linear import Int4Weight
+    from srt.layers.cpu_int8_linear import Int8Weight
+    from srt.layers.linear import ColumnParallelLinear
+
+    layer = ColumnParallelLinear(4, 4, params_dtype=torch.bfloat16)
+    assert cd._has_dense_linear(layer)
+    layer.packed_weight = Int8Weight(torch.zeros(4, 4, dtype=torch.int8), torch.ones(4), 4)
+    assert not cd._has_dense_linear(layer)
+    layer.packed_weight = Int4Weight(torch.zeros(1), torch.zeros(1), 32, 4)
+    assert not cd._has_dense_linear(torch.nn.Sequential(layer, torch.nn.Linear(4, 4)))

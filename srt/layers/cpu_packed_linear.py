@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from srt.layers.cpu_int4_linear import Int4Weight, int4_linear
+from srt.layers.cpu_int8_linear import Int8Weight, int8_linear
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     traces (Inductor packs the weight its own way, from the dense one)."""
     if isinstance(packed, Int4Weight):  # int4 on CPU: the same op eager and compiled
         return int4_linear(x, packed, bias)
+    if isinstance(packed, Int8Weight):  # int8 LM head of an int4 model on CPU: likewise
+        return int8_linear(x, packed, bias)
     if packed is not None and not torch.compiler.is_compiling():
         return packed_linear(x, packed, bias)
     return torch.nn.functional.linear(x, weight, bias)

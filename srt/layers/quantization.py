@@ -6,10 +6,11 @@
   of the bytes.
 - ``int4wo-<group>``: 4-bit weights with one scale and zero per ``group`` inputs. On CUDA
   torchao's ``Int4WeightOnlyConfig``; on CPU torch's own int4 kernel with torchao's
-  quantization (``cpu_int4_linear.py``).
-The embedding and the LM head stay unquantized: the embedding is a row lookup (no matmul
-to speed up), and the embedded model ties its LM head to it (its GGUF stores that table as
-Q8_0, where the decoder's linear layers are Q4_1: an int4 head cost 6% perplexity).
+  quantization (``cpu_int4_linear.py``), and on CPU the LM head in int8 with one scale
+  per row (``cpu_int8_linear.py``): the embedded model's GGUF stores that table as Q8_0,
+  where the decoder's linear layers are Q4_1, and an int4 head cost 6% perplexity.
+The embedding stays unquantized (a row lookup: no matmul to speed up; a tied head keeps
+reading the same dense table), and so does the LM head except with int4 on CPU.
 """
 from __future__ import annotations
 
@@ -49,7 +50,11 @@ def apply_torchao_config(model: nn.Module, config: str, device: str, log_prefix:
 
             if not int4_supported():
                 raise ValueError(f"--torchao-config {config}: this torch has no CPU int4 kernel")
+            from srt.layers.cpu_int8_linear import int8_supported, quantize_head_int8
+
             quantize_model_int4(model, group, log_prefix, head=False)
+            if int8_supported():
+                quantize_head_int8(model, log_prefix)
             return
         ao_config = Int4WeightOnlyConfig(group_size=group)
     else:

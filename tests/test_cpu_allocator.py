@@ -60,6 +60,18 @@ def test_reexec_maps_the_allocator_and_honours_system():
     assert _run(code, _env(GRAMSYNC_MALLOC="system")) == "None"
 
 
+def test_an_allocator_the_user_preloads_is_kept_and_nothing_is_added():
+    """A process started with an allocator already in LD_PRELOAD (here mimalloc through a
+    name of the user's own choosing) is not re-executed, and its LD_PRELOAD is untouched."""
+    user_lib = allocator_library("mimalloc")
+    code = ("import os; from srt.cpu_allocator import reexec_with_allocator; reexec_with_allocator(); "
+            "print(os.environ['LD_PRELOAD'], os.environ.get('GRAMSYNC_MALLOC_REEXEC'))")
+    out = _run(code, _env(LD_PRELOAD=user_lib, GRAMSYNC_MALLOC="system"))
+    assert out == f"{user_lib} None"
+    out = _run(code, _env(LD_PRELOAD=user_lib))  # mimalloc wanted, one already there
+    assert out == f"{user_lib} None"
+
+
 def test_children_started_inside_get_it_and_the_parent_env_is_restored(monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv("GRAMSYNC_MALLOC", raising=False)

@@ -38,10 +38,9 @@ def _mimalloc_path() -> Optional[str]:
         files = importlib.metadata.files("cmeel-mimalloc") or []
     except importlib.metadata.PackageNotFoundError:
         return None
-    libs = sorted(str(f.locate()) for f in files if f.name.startswith("libmimalloc.so"))
     # libmimalloc.so, .so.3, .so.3.4: the shortest name that exists is the canonical one.
-    libs = [p for p in sorted(libs, key=len) if os.path.exists(p)]
-    return libs[0] if libs else None
+    libs = [str(f.locate()) for f in files if f.name.startswith("libmimalloc.so")]
+    return min((p for p in libs if os.path.exists(p)), key=len, default=None)
 
 
 def allocator_library(choice: Optional[str] = None) -> Optional[str]:

@@ -122,7 +122,7 @@ GRAMSYNC_CPU_PACKED_LINEAR = EnvVar(
 GRAMSYNC_MALLOC = EnvVar(
     "GRAMSYNC_MALLOC", str, "mimalloc",
     "The allocator the model's processes preload (Linux): mimalloc (from the cmeel-mimalloc "
-    "package; CPU decode steps 4-15% faster than glibc's), system, or the path of another "
+    "package; CPU decode steps 5-15% faster than glibc's), system, or the path of another "
     "allocator's shared library (jemalloc, tcmalloc).",
 )
 

@@ -91,3 +91,27 @@ def test_an_engines_rank_process_maps_mimalloc(fp32_engine):
     for pid in pids:
         with open(f"/proc/{pid}/maps") as f:
             assert "libmimalloc.so" in f.read(), f"rank pid {pid} has no mimalloc mapped"
+
+
+def test_a_launch_py_server_and_its_rank_map_mimalloc(server):
+    """``python launch.py`` (the shared session server) re-executed itself with the allocator,
+    and the rank it spawned inherited it: read from their /proc/<pid>/maps."""
+    import psutil
+
+    port = int(server.rsplit(":", 1)[1])
+
+    def listens(p) -> bool:  # setproctitle renamed them: find the launcher by its port
+        try:
+            return any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                       for c in p.net_connections(kind="tcp"))
+        except psutil.Error:
+            return False
+
+    mains = [p for p in psutil.Process().children() if listens(p)]
+    assert len(mains) == 1, mains
+    procs = [mains[0]] + [c for c in mains[0].children(recursive=True) if "gramsync::scheduler" in c.name()
+                          or any("gramsync::scheduler" in a for a in c.cmdline())]
+    assert len(procs) >= 2  # the launcher (the frontend) and at least its rank
+    for p in procs:
+        with open(f"/proc/{p.pid}/maps") as f:
+            assert "libmimalloc.so" in f.read(), f"pid {p.pid} ({p.cmdline()[:3]}) has no mimalloc mapped"

@@ -34,6 +34,7 @@ from torch import nn
 from torch.export import Dim
 
 from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.cpu_gemv import gemv_wanted, load_gemv_library
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ def load_package(path: str) -> Callable[[ForwardBatch], torch.Tensor]:
     killed): every start would leave one such folder per graph in /tmp. So the loader
     extracts into a folder of ours, removed as soon as the library is mapped (Linux keeps
     a mapped file's data until it is unmapped)."""
+    if gemv_wanted():  # the graphs may call gramsync::small_linear: register it first
+        load_gemv_library()
     tempfile.gettempdir()  # Python's own temp folder decided now, not inside ours
     extract = tempfile.mkdtemp(prefix="gramsync-aoti-load-")
     previous = os.environ.get("TMPDIR")

@@ -75,12 +75,12 @@ def checkpoint_fingerprint(model_dir: str) -> dict:
 
 
 def code_digest(root: str = _REPO, sources: tuple[str, ...] = GRAPH_SOURCES) -> str:
-    """sha256 over every .py file under ``sources`` (relative to ``root``), path and bytes."""
+    """sha256 over every .py (and .cpp: the GEMV kernel) file under ``sources`` (relative to ``root``), path and bytes."""
     h = hashlib.sha256()
     for src in sources:
         top = os.path.join(root, src)
         files = [top] if os.path.isfile(top) else sorted(
-            os.path.join(d, n) for d, _, names in os.walk(top) for n in names if n.endswith(".py"))
+            os.path.join(d, n) for d, _, names in os.walk(top) for n in names if n.endswith((".py", ".cpp")))
         for path in files:
             h.update(os.path.relpath(path, root).encode())
             with open(path, "rb") as f:
@@ -117,6 +117,7 @@ def compile_cache_key(args: ServerArgs, model_dir: str, dtype: torch.dtype, tp_s
         "max_compiled_bs": max_compiled_bs,
         "mixed_chunk": args.enable_mixed_chunk,
         "aoti_decode": environ.GRAMSYNC_AOTI_DECODE.get(),
+        "cpu_gemv": environ.GRAMSYNC_CPU_GEMV.get(),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -155,9 +155,10 @@ class CompiledDecode:
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
         if self._packages is not None:
             return self._run_package(fb)
+        graph = self._graph_for(fb.batch_size)
         if fb.batch_size > 1:  # B and S dynamic: no recompiles as the batch changes
-            for name in _BATCH_DIM_FIELDS:
-                torch._dynamo.mark_dynamic(getattr(fb, name), 0)
+            for name in _BATCH_DIM_FIELDS:  # bounded: the 2-16 graph knows its rows are few (cpu_gemv)
+                torch._dynamo.mark_dynamic(getattr(fb, name), 0, min=graph.lo, max=graph.hi)
         torch._dynamo.mark_dynamic(fb.decode_kv_slots, 1)
         torch._dynamo.mark_dynamic(fb.decode_kv_valid, 1)
         try:
@@ -166,7 +167,7 @@ class CompiledDecode:
             # not Dynamo): without this every weight stays a graph input and is never
             # prepacked. Patched per call because a recompile traces inside a served step.
             with torch._inductor.config.patch(freezing=True):
-                return self._graph_for(fb.batch_size).compiled(fb)
+                return graph.compiled(fb)
         except Exception as e:  # noqa: BLE001 - any compiler failure falls back to eager
             self.failed = True
             logger.warning("%s torch.compile failed (%s: %s); decoding eagerly from now on",

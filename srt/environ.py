@@ -150,6 +150,12 @@ GRAMSYNC_COMPILE_CACHE_DIR = EnvVar(
     "Where the compiled steps are kept (default: $GRAMSYNC_CACHE_DIR/compile), one folder per "
     "key; delete a folder to rebuild it.",
 )
+GRAMSYNC_CPU_GEMV = EnvVar(
+    "GRAMSYNC_CPU_GEMV", bool, True,
+    "On CPU, the compiled decode graphs' matmuls at up to 16 rows run a hand-written GEMV "
+    "(srt/layers/cpu_gemv.cpp; bf16 with AVX512-BF16, fp32 with AVX512F or AVX2) instead of oneDNN. "
+    "0 keeps oneDNN (a new compile key: the graphs rebuild).",
+)
 GRAMSYNC_TORCH_COMPILE_AUTO = EnvVar(
     "GRAMSYNC_TORCH_COMPILE_AUTO", bool, True,
     "What neither --enable-torch-compile nor --disable-torch-compile means: compile the "
@@ -179,6 +185,7 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     GRAMSYNC_AOTI_DECODE,
     GRAMSYNC_COMPILE_CACHE_DIR,
     GRAMSYNC_CPU_PACKED_LINEAR,
+    GRAMSYNC_CPU_GEMV,
     GRAMSYNC_CPU_SHM_COLLECTIVES,
     GRAMSYNC_MALLOC,
 )

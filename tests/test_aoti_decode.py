@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+import zipfile
 
 import pytest
 import torch
 
 from srt.aoti_decode import DecodePackages
 from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.cpu_gemv import cpu_runs
 from srt.mem_cache.memory_pool import MHATokenToKVPool
 
 
@@ -85,6 +87,11 @@ def test_package_serves_another_pool_and_batch_as_eager_does(runner, tmp_path):
         run = packages.load_or_build(model, _batch(_pool(runner, 256, 0), 3, 64), 2, 4,
                                      {"freezing": True}, "2-4")
     assert os.path.exists(packages.path("2-4"))
+    # Where the CPU has AVX512, the graph's matmuls run the hand-written GEMV (cpu_gemv.py):
+    # the logits below are then its, checked against the eager step's oneDNN / MKL ones.
+    with zipfile.ZipFile(packages.path("2-4")) as z:
+        meta = "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.json"))
+    assert ("gramsync::small_linear" in meta) == cpu_runs(torch.float32)
     assert _extracted() == before  # the loader's copy of the library is not left behind
     # The served model kept its own parameter objects, real and unchanged.
     assert {name: p for name, p in model.named_parameters()} == params

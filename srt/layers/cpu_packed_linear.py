@@ -17,6 +17,7 @@ import logging
 import torch
 from torch import nn
 
+from srt.layers.cpu_gemv import small_linear, use_gemv
 from srt.layers.cpu_int4_linear import Int4Weight, int4_linear
 from srt.layers.cpu_int8_linear import Int8Weight, int8_linear
 
@@ -45,13 +46,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """The layers' matmul: the packed weight when there is one, except while torch.compile
-    traces (Inductor packs the weight its own way, from the dense one)."""
+    traces (Inductor packs the weight its own way, from the dense one); in a trace of a
+    graph of up to 16 rows on CPU, the hand-written GEMV (cpu_gemv.py)."""
     if isinstance(packed, Int4Weight):  # int4 on CPU: the same op eager and compiled
         return int4_linear(x, packed, bias)
     if isinstance(packed, Int8Weight):  # int8 LM head of an int4 model on CPU: likewise
         return int8_linear(x, packed, bias)
     if packed is not None and not torch.compiler.is_compiling():
         return packed_linear(x, packed, bias)
+    if use_gemv(x, weight):
+        y = small_linear(x, weight)
+        return y if bias is None else y + bias
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -1,0 +1,165 @@
+// gramsync::small_linear(x [M, K], wp) -> x @ w.T [M, N]: the decode step's matmuls at a few
+// rows (M <= 16), where a step is a weight read. wp is w [N, K] packed in 16-row panels
+// (cpu_gemv.py: bf16 [N/16, K/2, 16, 2], vdpbf16ps's pair layout; fp32 [N/16, K, 16]), so
+// each panel is one contiguous stream read once. A register tile of MB rows of x by NBT
+// panels keeps MB x NBT accumulators of 16 outputs; each 64-byte load of a panel feeds MB
+// multiply-adds against a broadcast of x: no horizontal sums, and a panel is never re-read
+// however many rows (up to 16) the batch has. fp32 accumulation, one rounding to the output
+// dtype, as oneDNN does. bf16 needs AVX512-BF16, fp32 AVX512F (cpu_gemv.cpu_runs: the graphs
+// use it only there). Why a hand kernel: oneDNN's packed bf16 GEMM reads ~36-40 GB/s at one
+// row where this reads at the machine's read rate (docs/speed.md, "A GEMV for the small
+// batches").
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kPanel = 16;  // outputs per panel (one zmm of fp32)
+constexpr int kMaxTileRows = 16;
+// Software prefetch distance into each panel's stream, by rows in the tile. At 1-2 rows the
+// hardware prefetcher keeps up (prefetching slowed the read); from 4 rows the multiply-adds
+// per byte grow and the stream falls behind without it (SmolLM2's 121 matmuls, bf16, 16 rows:
+// 12.9 ms without, 8.1 at 2 KB ahead, 6.5 at 4 KB; oneDNN 9.1-9.3 in the same runs).
+constexpr int prefetch_bytes(int mb) { return mb >= 8 ? 4096 : mb >= 4 ? 2048 : 0; }
+
+bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
+bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+
+const bool kAvx512 = has_avx512();
+const bool kAvx512Bf16 = has_avx512_bf16();
+
+// Panels per register tile for MB rows: MB x NBT accumulators (<= 16 of 32 registers).
+constexpr int panels_for(int mb) { return mb <= 2 ? 8 : mb <= 4 ? 4 : mb <= 8 ? 2 : 1; }
+
+// y[m, p*16 + i] for MB rows and NBT panels starting at panel p0.
+template <int MB, int NBT>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_bf16(
+    const uint16_t* x, int64_t K, const uint16_t* wp, int64_t p0, c10::BFloat16* y, int64_t ldy) {
+  constexpr int kPrefetchBytes = prefetch_bytes(MB);
+  __m512 acc[MB][NBT];
+  for (int m = 0; m < MB; m++)
+    for (int p = 0; p < NBT; p++) acc[m][p] = _mm512_setzero_ps();
+  const int64_t panel_elems = K * kPanel;  // K/2 pairs x 16 outputs x 2
+  const uint16_t* w = wp + p0 * panel_elems;
+  for (int64_t k2 = 0; k2 < K / 2; k2++) {
+    __m512bh wv[NBT];
+    for (int p = 0; p < NBT; p++) {
+      const uint16_t* at = w + p * panel_elems + k2 * 32;
+      if (kPrefetchBytes) _mm_prefetch(reinterpret_cast<const char*>(at) + kPrefetchBytes, _MM_HINT_T0);
+      wv[p] = (__m512bh)_mm512_loadu_si512(at);
+    }
+    for (int m = 0; m < MB; m++) {
+      int32_t pair;
+      __builtin_memcpy(&pair, x + m * K + 2 * k2, 4);
+      __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int p = 0; p < NBT; p++) acc[m][p] = _mm512_dpbf16_ps(acc[m][p], wv[p], xv);
+    }
+  }
+  for (int m = 0; m < MB; m++)
+    for (int p = 0; p < NBT; p++)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + (p0 + p) * kPanel),
+                          (__m256i)_mm512_cvtneps_pbh(acc[m][p]));  // nearest even
+}
+
+template <int MB, int NBT>
+__attribute__((target("avx512f"))) void tile_f32(
+    const float* x, int64_t K, const float* wp, int64_t p0, float* y, int64_t ldy) {
+  constexpr int kPrefetchBytes = prefetch_bytes(MB);
+  __m512 acc[MB][NBT];
+  for (int m = 0; m < MB; m++)
+    for (int p = 0; p < NBT; p++) acc[m][p] = _mm512_setzero_ps();
+  const int64_t panel_elems = K * kPanel;
+  const float* w = wp + p0 * panel_elems;
+  for (int64_t k = 0; k < K; k++) {
+    __m512 wv[NBT];
+    for (int p = 0; p < NBT; p++) {
+      const float* at = w + p * panel_elems + k * kPanel;
+      if (kPrefetchBytes) _mm_prefetch(reinterpret_cast<const char*>(at) + kPrefetchBytes, _MM_HINT_T0);
+      wv[p] = _mm512_loadu_ps(at);
+    }
+    for (int m = 0; m < MB; m++) {
+      __m512 xv = _mm512_set1_ps(x[m * K + k]);
+      for (int p = 0; p < NBT; p++) acc[m][p] = _mm512_fmadd_ps(wv[p], xv, acc[m][p]);
+    }
+  }
+  for (int m = 0; m < MB; m++)
+    for (int p = 0; p < NBT; p++) _mm512_storeu_ps(y + m * ldy + (p0 + p) * kPanel, acc[m][p]);
+}
+
+// MB rows over panels [begin, end): tiles of NBT panels, then single panels.
+template <typename T, typename Out, int MB>
+void rows_over_panels(const T* x, int64_t K, const T* wp, int64_t begin, int64_t end, Out* y, int64_t ldy) {
+  constexpr int NBT = panels_for(MB);
+  int64_t p = begin;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; p + NBT <= end; p += NBT) tile_f32<MB, NBT>(x, K, wp, p, y, ldy);
+    for (; p < end; p++) tile_f32<MB, 1>(x, K, wp, p, y, ldy);
+  } else {
+    for (; p + NBT <= end; p += NBT) tile_bf16<MB, NBT>(x, K, wp, p, y, ldy);
+    for (; p < end; p++) tile_bf16<MB, 1>(x, K, wp, p, y, ldy);
+  }
+}
+
+template <typename T, typename Out, int... MBs>
+void dispatch_rows(int64_t mb, const T* x, int64_t K, const T* wp, int64_t begin, int64_t end, Out* y,
+                   int64_t ldy, std::integer_sequence<int, MBs...>) {
+  ((mb == MBs + 1 ? rows_over_panels<T, Out, MBs + 1>(x, K, wp, begin, end, y, ldy) : void()), ...);
+}
+
+template <typename T, typename Out>
+void run(const T* x, const T* wp, int64_t M, int64_t panels, int64_t K, Out* y) {
+  const int64_t N = panels * kPanel;
+  // Threads split the panels (each weight byte is read by one thread, once); every thread
+  // takes all rows, up to 16 at a time.
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRows) {
+      int64_t mb = std::min<int64_t>(kMaxTileRows, M - m0);
+      dispatch_rows<T, Out>(mb, x + m0 * K, K, wp, begin, end, y + m0 * N, N,
+                            std::make_integer_sequence<int, kMaxTileRows>{});
+    }
+  });
+}
+
+bool available(c10::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? kAvx512Bf16 : dtype == at::kFloat && kAvx512;
+}
+
+at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& wp) {
+  const auto dtype = x_in.scalar_type();
+  TORCH_CHECK(available(dtype), "gramsync::small_linear: no kernel for ", dtype, " on this CPU");
+  TORCH_CHECK(wp.scalar_type() == dtype && wp.is_contiguous() && x_in.device().is_cpu(),
+              "gramsync::small_linear: x and the packed weight must be CPU tensors of one dtype");
+  const bool bf16 = dtype == at::kBFloat16;
+  TORCH_CHECK(bf16 ? wp.dim() == 4 && wp.size(2) == kPanel && wp.size(3) == 2 : wp.dim() == 3 && wp.size(2) == kPanel,
+              "gramsync::small_linear: weight not packed by cpu_gemv.pack_weight");
+  const int64_t panels = wp.size(0), K = bf16 ? wp.size(1) * 2 : wp.size(1);
+  TORCH_CHECK(x_in.size(-1) == K, "gramsync::small_linear: x has ", x_in.size(-1), " columns, weight ", K);
+  at::Tensor x = x_in.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = panels * kPanel;
+  at::Tensor y = at::empty(shape, x.options());
+  const int64_t M = x.numel() / K;
+  if (M == 0) return y;
+  if (bf16)
+    run(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), reinterpret_cast<const uint16_t*>(wp.const_data_ptr()),
+        M, panels, K, y.data_ptr<c10::BFloat16>());
+  else
+    run(x.const_data_ptr<float>(), wp.const_data_ptr<float>(), M, panels, K, y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(gramsync, m) {
+  m.def("small_linear(Tensor x, Tensor wp) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gramsync, CPU, m) { m.impl("small_linear", small_linear); }

@@ -1,0 +1,104 @@
+"""A hand-written GEMV for the compiled decode graphs' matmuls at up to 16 rows (CPU).
+
+At a few rows a decode step is a weight read. On an AVX512-BF16 CPU without AMX,
+oneDNN's packed bf16 GEMM (what Inductor's ``freezing`` emits) reads the weights at
+~36-40 GB/s where the machine reads ~51 GB/s; a plain row-major loop over ``vdpbf16ps``
+reads at the machine's rate (``benchmark/bench_gemv_probe.py``: SmolLM2's 121 matmuls at
+one row 5.13 against 7.36 ms). ``cpu_gemv.cpp`` is that loop as the torch op
+``gramsync::small_linear`` (bf16 with AVX512-BF16; fp32 with AVX512F or AVX2+FMA; any other
+case runs ``at::linear`` inside the op), so torch.export / AOTInductor packages call it
+like any op.
+
+It is built from source with the C++ compiler Inductor already needs
+(``torch.utils.cpp_extension``, ~30-60 s once per machine, kept under
+``TORCH_EXTENSIONS_DIR``) and only where a graph would use it: the compile builder
+(nice 19) builds it while tracing, and a rank loads the built library before it loads a
+package. ``GRAMSYNC_CPU_GEMV=0`` keeps the graphs on oneDNN. ``linear`` routes to the op
+only inside a trace (eager steps keep oneDNN's packed weights) and only where the rows
+are known to be <= 16 (the batch-1 and 2-16 graphs; the 17-64 graph is compute-bound,
+where oneDNN is faster).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_gemv.cpp")
+GEMV_MAX_ROWS = 16
+PANEL = 16  # weight rows per panel: one 16-lane register of outputs
+
+
+def gemv_wanted() -> bool:
+    """The user's switch (``GRAMSYNC_CPU_GEMV``, default on)."""
+    from srt.environ import GRAMSYNC_CPU_GEMV
+
+    return GRAMSYNC_CPU_GEMV.get()
+
+
+@functools.cache
+def load_gemv_library() -> bool:
+    """Build (once per machine) and load the op's library into this process; False, with a
+    warning, where it cannot be built (no compiler). Cached: the op stays registered for the
+    process's life, and a failure is not retried every trace."""
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name="gramsync_cpu_gemv", sources=[SOURCE], extra_cflags=["-O3", "-fopenmp"],
+                           is_python_module=False, verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, a failed build: the graphs keep oneDNN
+        logger.warning("the CPU GEMV kernel could not be built (%s: %s); small-batch matmuls stay on oneDNN",
+                       type(e).__name__, str(e)[:300])
+        return False
+    torch.library.register_fake("gramsync::small_linear")(_small_linear_fake)
+    return True
+
+
+def _small_linear_fake(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], wp.shape[0] * PANEL))
+
+
+def cpu_runs(dtype: torch.dtype) -> bool:
+    """This CPU has the instructions the kernel needs for ``dtype``."""
+    from srt.compile_cache import cpu_flags
+
+    need = {torch.float32: {"avx512f", "avx512bw"}, torch.bfloat16: {"avx512f", "avx512bw", "avx512_bf16"}}
+    return dtype in need and need[dtype] <= set(cpu_flags())
+
+
+@torch.compiler.assume_constant_result  # Dynamo calls it, never traces the build
+def gemv_available(dtype: torch.dtype) -> bool:
+    """The user wants it, this CPU runs ``dtype`` natively and the library is loaded."""
+    return gemv_wanted() and cpu_runs(dtype) and load_gemv_library()
+
+
+def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Inside a trace of a CPU graph whose rows are known to be <= GEMV_MAX_ROWS, for a
+    weight the panels fit (rows a multiple of 16, an even number of columns)."""
+    if (weight.device.type != "cpu" or not torch.compiler.is_compiling()
+            or weight.dim() != 2 or weight.shape[0] % PANEL or weight.shape[1] % 2):
+        return False
+    rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
+    return statically_known_true(rows <= GEMV_MAX_ROWS) and gemv_available(weight.dtype)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] as 16-row panels, each one contiguous stream in the order the kernel
+    reads it: bf16 [N/16, K/2, 16, 2] (vdpbf16ps multiplies pairs of columns), fp32
+    [N/16, K, 16]. Plain view / permute / copy ops: in a frozen graph the weight is a
+    constant, so Inductor's constant folding packs it once at compile time and the package
+    holds only the packed copy."""
+    n, k = weight.shape
+    if weight.dtype == torch.bfloat16:
+        return weight.reshape(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return weight.reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` through the kernel (the weight packed on the way: folded in a graph)."""
+    return torch.ops.gramsync.small_linear(x, pack_weight(weight))

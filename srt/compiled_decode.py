@@ -5,10 +5,12 @@ its attention over the paged pool, final norm, LM head) as one graph. Inductor's
 ``freezing`` folds the weights in as constants and prepacks them for oneDNN, which is where
 most of the speed comes from on CPU (docs/speed.md), and the layers' small ops (norms,
 rotary, residual adds, SiLU) fuse into a few loops. Up to 16 rows a step is a weight
-read, and those graphs are compiled with max-autotune, which picks Inductor's C++ GEMM
-template per weight shape where it beats ATen: it streams the weights at close to this
-CPU's read bandwidth where oneDNN reaches about half of it (fp32, and bf16 with AMX; bf16
-without AMX leaves the template out: ``small_batch_options``).
+read: on a CPU with AVX-512 (bf16 also needs AVX512-BF16) those graphs' linears call
+gramsync's own GEMV (``srt/layers/cpu_gemv.py``: 0.75-0.9x oneDNN's step there), whose
+panel packing freezing folds at compile time; elsewhere they are compiled with
+max-autotune, which picks Inductor's C++ GEMM template per weight shape where it beats
+ATen (fp32, and bf16 with AMX; bf16 without AMX leaves the template out:
+``small_batch_options``).
 
 Graphs: batch 1 (static), batches 2-16 (dynamic) and batches 17 to
 ``--torch-compile-max-bs`` (dynamic, oneDNN: compute-bound there), each dynamic graph

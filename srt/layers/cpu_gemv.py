@@ -1,21 +1,22 @@
 """A hand-written GEMV for the compiled decode graphs' matmuls at up to 16 rows (CPU).
 
 At a few rows a decode step is a weight read. On an AVX512-BF16 CPU without AMX,
-oneDNN's packed bf16 GEMM (what Inductor's ``freezing`` emits) reads the weights at
-~36-40 GB/s where the machine reads ~51 GB/s; a plain row-major loop over ``vdpbf16ps``
-reads at the machine's rate (``benchmark/bench_gemv_probe.py``: SmolLM2's 121 matmuls at
-one row 5.13 against 7.36 ms). ``cpu_gemv.cpp`` is that loop as the torch op
-``gramsync::small_linear`` (bf16 with AVX512-BF16; fp32 with AVX512F or AVX2+FMA; any other
-case runs ``at::linear`` inside the op), so torch.export / AOTInductor packages call it
-like any op.
+oneDNN's packed bf16 GEMM (what Inductor's ``freezing`` emits) reads SmolLM2's weights at
+~54 GB/s where this kernel reads them at ~72 GB/s (121 matmuls, one row: 3.76 against
+5.00 ms; docs/speed.md "A GEMV for the small batches"). ``cpu_gemv.cpp`` is the torch op
+``gramsync::small_linear``: the weight in 16-row panels, each a contiguous stream
+(``pack_weight``), MB rows x up to 8 panels of fp32 accumulators in registers, bf16 by
+``vdpbf16ps`` (AVX512-BF16) and fp32 by FMA (AVX512F+BW). There is no AVX2 variant:
+those CPUs keep oneDNN (``cpu_runs``). torch.export / AOTInductor packages call it like
+any op, through AOTInductor's proxy executor.
 
 It is built from source with the C++ compiler Inductor already needs
-(``torch.utils.cpp_extension``, ~30-60 s once per machine, kept under
+(``torch.utils.cpp_extension``, ~5 s once per machine, kept under
 ``TORCH_EXTENSIONS_DIR``) and only where a graph would use it: the compile builder
-(nice 19) builds it while tracing, and a rank loads the built library before it loads a
-package. ``GRAMSYNC_CPU_GEMV=0`` keeps the graphs on oneDNN. ``linear`` routes to the op
-only inside a trace (eager steps keep oneDNN's packed weights) and only where the rows
-are known to be <= 16 (the batch-1 and 2-16 graphs; the 17-64 graph is compute-bound,
+(nice 19) builds it while tracing, and a rank loads it before it loads a package.
+``GRAMSYNC_CPU_GEMV=0`` keeps the graphs on oneDNN. ``linear`` routes to the op only
+inside a trace (eager steps keep oneDNN's packed weights) and only where the rows are
+known to be <= 16 (the batch-1 and 2-16 graphs; the 17-64 graph is compute-bound,
 where oneDNN is faster).
 """
 from __future__ import annotations

@@ -26,10 +26,12 @@ from srt.server_args import ServerArgs
 VOCAB, EOS = 49152, (2,)
 PERSON = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
                      "required": ["name", "age"]})
-# Six strings with distinct length bounds: ~9 s for xgrammar on these machines (and a
-# ~400 MB export), the kind of compile that used to keep a core busy after its request left.
-SLOW = json.dumps({"type": "object", "required": [f"p{i}" for i in range(6)],
-                   "properties": {f"p{i}": {"type": "string", "maxLength": 32000 + i} for i in range(6)}})
+# 300 strings of distinct fixed lengths (^[a-z]{n}$): ~9 s for xgrammar 0.2.9 on these
+# machines, the kind of compile that used to keep a core busy after its request left.
+# (0.2.9 compiles the old six 32,000-character maxLengths in milliseconds.)
+SLOW = json.dumps({"type": "object", "required": [f"p{i}" for i in range(300)],
+                   "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i + 1}}}$"}
+                                  for i in range(300)}})
 
 
 def accepts(grammar, tokenizer, text: str) -> bool:
@@ -109,6 +111,7 @@ def busy_worker(service) -> psutil.Process:
 def test_ranks_share_one_compile_and_results_load(pool, smollm2_tokenizer):
     service, address, backend = pool
     rank0, rank1 = CompilePoolClient(address, "[r0]"), CompilePoolClient(address, "[r1]")
+    rank2 = CompilePoolClient(address, "[r2]")
     try:
         key = ("json_schema", PERSON.replace("age", f"age_{uuid.uuid4().hex[:6]}"))
         f0, f1 = rank0.submit(key, backend), rank1.submit(key, backend)
@@ -119,13 +122,33 @@ def test_ranks_share_one_compile_and_results_load(pool, smollm2_tokenizer):
         name = json.loads(key[1])["required"][1]
         assert accepts(g0, smollm2_tokenizer, f'{{"name": "A", "{name}": 3}}')
         assert not accepts(g1, smollm2_tokenizer, '{"name": "A"}')
-        late = CompilePoolClient(address, "[r2]").submit(key, backend).result(30)  # from the pool's cache
+        late = rank2.submit(key, backend).result(30)  # from the pool's cache
         assert late.stats.compile_time == g0.stats.compile_time
         bad = rank0.submit(("regex", "(unclosed"), backend).result(60)
         assert isinstance(bad, InvalidGrammarObject) and "regex" in bad.message
     finally:
         rank0.close()
         rank1.close()
+        rank2.close()
+
+
+def test_closed_client_leaves_nothing_for_the_garbage_collector(smollm2_tokenizer):
+    """close() closes every socket and terminates the context itself: a context the garbage
+    collector finds in a reference cycle with sockets still open blocks forever in term()
+    (a failed test's traceback made one, and hung the whole suite). A submit after close
+    is answered at once, never with a future nobody resolves."""
+    directory = new_pool_dir()  # private, but nothing binds it: no service is needed here
+    try:
+        client = CompilePoolClient(pool_socket_address(directory), "[r0]")
+        client.release(("regex", "x"))  # unknown key: a no-op
+        client.close()
+        client.close()  # idempotent
+        assert client._zmq.closed
+        assert all(s.closed for s in (client._sock, client._wake_in, client._wake_out))
+        after = client.submit(("regex", "[a-z]+"), None).result(0)
+        assert isinstance(after, InvalidGrammarObject) and "client is closed" in after.message
+    finally:
+        os.rmdir(directory)
 
 
 def test_compile_past_its_timeout_is_killed_within_a_second(pool):

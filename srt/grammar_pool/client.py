@@ -45,6 +45,8 @@ class CompilePoolClient:
         self._wake_in.bind(wake)
         self._wake_out = self._zmq.socket(zmq.PUSH)  # used by the scheduler thread only
         self._wake_out.connect(wake)
+        for sock in (self._wake_in, self._wake_out):
+            sock.setsockopt(zmq.LINGER, 0)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -54,13 +56,18 @@ class CompilePoolClient:
         self._rebuilder = ThreadPoolExecutor(2, thread_name_prefix="grammar-rebuild",
                                              initializer=lowest_cpu_priority)
         self.load_cpu_seconds = 0.0  # CPU this rank spent loading pooled results (benchmarks)
-        threading.Thread(target=self._io_loop, daemon=True, name="grammar-pool-io").start()
+        self._io = threading.Thread(target=self._io_loop, daemon=True, name="grammar-pool-io")
+        self._io.start()
         threading.Thread(target=self._load_loop, daemon=True, name="grammar-pool-load").start()
 
     # ---- the scheduler thread -------------------------------------------------------------
     def submit(self, key: tuple[str, str], backend) -> Future:
         future: Future = Future()
         future.set_running_or_notify_cancel()  # only a result ends it; release() drops it
+        if self._closed.is_set():  # never a future nobody will resolve
+            future.set_result(InvalidGrammarObject(f"Failed to compile {key[0]} grammar: the "
+                                                   "grammar compile pool client is closed"))
+            return future
         with self._lock:
             self._futures[key] = (future, backend)
         self._send(TASK_CODEC.encode(CompileTask(*key)))
@@ -77,11 +84,22 @@ class CompilePoolClient:
         return self._closed.is_set()
 
     def close(self) -> None:
+        """Stop both threads and close every socket and the context, here and now. Never
+        left to the garbage collector: a context collected in a reference cycle with its
+        sockets still open (a failed test's traceback holds one) blocks forever in term()."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         self._results.put(None)
         self._rebuilder.shutdown(wait=False, cancel_futures=True)
+        self._io.join(5.0)  # it closes the sockets it owns as it leaves (<= one 200 ms poll)
+        self._wake_out.close(linger=0)
+        if not self._io.is_alive():
+            self._zmq.term()
 
     def _send(self, frame: bytes) -> None:
+        if self._closed.is_set():  # shutting down: the service forgets this rank's tasks
+            return
         self._outbox.put(frame)
         self._wake_out.send(b"")
 
@@ -102,6 +120,8 @@ class CompilePoolClient:
                     frames = self._sock.recv_multipart()
                     if len(frames) == 2:
                         self._results.put(frames)
+        self._sock.close(linger=0)
+        self._wake_in.close(linger=0)
 
     def _load_loop(self) -> None:
         lowest_cpu_priority()  # this thread only

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -135,6 +136,10 @@ def main():
     ap.add_argument("--no-eager-split", action="store_true",
                     help="skip the eager pass that splits the forward (bf16 on a CPU without native "
                          "bf16 runs its eager matmuls at well under 1 GFLOP/s)")
+    ap.add_argument("--package-profile", default="",
+                    help="concurrencies whose compiled step is profiled inside its package "
+                         "(package_profile.py; builds a second set of packages with Inductor's "
+                         "kernel profiling, minutes)")
     ap.add_argument("--torchao-config", default=None)
     ap.add_argument("--disable-torch-compile", action="store_true")
     ap.add_argument("--enable-mixed-chunk", action="store_true",
@@ -182,6 +187,20 @@ def main():
         report["breakdown"] = [step_breakdown.breakdown(sched, prompts_ids, c, 48, not args.no_eager_split)
                                for c in levels]
         print_breakdown(report["breakdown"], floors)
+        del sched
+    profiled = [int(c) for c in args.package_profile.split(",") if c]
+    if profiled:
+        import package_profile
+
+        os.environ["TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE"] = "1"  # a builder process too
+        # Packages of their own, never those built without it (the key does not tell them apart).
+        os.environ["GRAMSYNC_COMPILE_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "gramsync-kernel-profile")
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.enable_kernel_profile = True
+        sched = step_breakdown.make_scheduler(model_dir, dtype, max(profiled), **server_kwargs)
+        report["package_profile"] = [package_profile.profile_decode(sched, prompts_ids, c, 24) for c in profiled]
+        package_profile.print_profile(report["package_profile"])
         del sched
     if not args.skip_throughput:
         n, m = args.num_prompts, args.max_new_tokens

@@ -34,7 +34,9 @@ from torch import nn
 from torch.export import Dim
 
 from srt.forward_batch import ForwardBatch, ForwardMode
-from srt.layers.cpu_gemv import gemv_wanted, load_gemv_library
+from srt.layers.cpu_decode_attention_op import decode_attention_op_wanted
+from srt.layers.cpu_gemv import gemv_wanted
+from srt.layers.cpu_kernels import load_cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +130,8 @@ def load_package(path: str) -> Callable[[ForwardBatch], torch.Tensor]:
     killed): every start would leave one such folder per graph in /tmp. So the loader
     extracts into a folder of ours, removed as soon as the library is mapped (Linux keeps
     a mapped file's data until it is unmapped)."""
-    if gemv_wanted():  # the graphs may call gramsync::small_linear: register it first
-        load_gemv_library()
+    if gemv_wanted() or decode_attention_op_wanted():  # the graphs may call gramsync's ops: register them
+        load_cpu_kernels()
     tempfile.gettempdir()  # Python's own temp folder decided now, not inside ours
     extract = tempfile.mkdtemp(prefix="gramsync-aoti-load-")
     previous = os.environ.get("TMPDIR")

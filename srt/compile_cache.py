@@ -75,7 +75,7 @@ def checkpoint_fingerprint(model_dir: str) -> dict:
 
 
 def code_digest(root: str = _REPO, sources: tuple[str, ...] = GRAPH_SOURCES) -> str:
-    """sha256 over every .py (and .cpp: the GEMV kernel) file under ``sources`` (relative to ``root``), path and bytes."""
+    """sha256 over every .py (and .cpp: our CPU kernels) file under ``sources`` (relative to ``root``), path and bytes."""
     h = hashlib.sha256()
     for src in sources:
         top = os.path.join(root, src)
@@ -118,6 +118,7 @@ def compile_cache_key(args: ServerArgs, model_dir: str, dtype: torch.dtype, tp_s
         "mixed_chunk": args.enable_mixed_chunk,
         "aoti_decode": environ.GRAMSYNC_AOTI_DECODE.get(),
         "cpu_gemv": environ.GRAMSYNC_CPU_GEMV.get(),
+        "cpu_decode_attention": environ.GRAMSYNC_CPU_DECODE_ATTENTION.get(),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -153,8 +153,14 @@ GRAMSYNC_COMPILE_CACHE_DIR = EnvVar(
 GRAMSYNC_CPU_GEMV = EnvVar(
     "GRAMSYNC_CPU_GEMV", bool, True,
     "On CPU, the compiled decode graphs' matmuls at up to 16 rows run a hand-written GEMV "
-    "(srt/layers/cpu_gemv.cpp; bf16 with AVX512-BF16, fp32 with AVX512F or AVX2) instead of oneDNN. "
+    "(srt/layers/cpu_gemv.cpp; bf16 with AVX512-BF16, fp32 with AVX512F; other CPUs keep oneDNN) instead of oneDNN. "
     "0 keeps oneDNN (a new compile key: the graphs rebuild).",
+)
+GRAMSYNC_CPU_DECODE_ATTENTION = EnvVar(
+    "GRAMSYNC_CPU_DECODE_ATTENTION", bool, True,
+    "On CPU, decode attention (eager and compiled) runs a hand-written op that reads the KV pool "
+    "in place (srt/layers/cpu_decode_attention.cpp) instead of gathering keys for torch's matmuls. "
+    "0 keeps the torch path (a new compile key: the graphs rebuild).",
 )
 GRAMSYNC_TORCH_COMPILE_AUTO = EnvVar(
     "GRAMSYNC_TORCH_COMPILE_AUTO", bool, True,

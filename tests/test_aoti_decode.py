@@ -77,7 +77,7 @@ def _extracted() -> set[str]:
 
 
 @pytest.mark.timeout(600)
-def test_package_serves_another_pool_and_batch_as_eager_does(runner, tmp_path):
+def test_package_serves_another_pool_and_batch_as_eager_does(runner, tmp_path, monkeypatch):
     model = runner.model
     params = {name: p for name, p in model.named_parameters()}
     values = {name: p.detach().clone() for name, p in params.items()}
@@ -92,6 +92,7 @@ def test_package_serves_another_pool_and_batch_as_eager_does(runner, tmp_path):
     with zipfile.ZipFile(packages.path("2-4")) as z:
         meta = "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.json"))
     assert ("gramsync::small_linear" in meta) == cpu_runs(torch.float32)
+    assert "gramsync::decode_attention" in meta  # attention reads the pool in place (cpu_decode_attention.cpp)
     assert _extracted() == before  # the loader's copy of the library is not left behind
     # The served model kept its own parameter objects, real and unchanged.
     assert {name: p for name, p in model.named_parameters()} == params
@@ -102,7 +103,9 @@ def test_package_serves_another_pool_and_batch_as_eager_does(runner, tmp_path):
         served, eager = _pool(runner, 512, bs), _pool(runner, 512, bs)  # another pool size
         with torch.inference_mode():
             got = run(_batch(served, bs, keys))
-            want = model(_batch(eager, bs, keys))
+            with monkeypatch.context() as m:  # the reference: eager on the torch attention path
+                m.setenv("GRAMSYNC_CPU_DECODE_ATTENTION", "0")
+                want = model(_batch(eager, bs, keys))
         assert got.shape == want.shape == (bs, runner.model_config.vocab_size)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
         for a, b in zip(served.k_buffer + served.v_buffer, eager.k_buffer + eager.v_buffer):

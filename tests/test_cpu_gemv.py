@@ -19,6 +19,7 @@ import torch
 from torch.export import Dim
 
 from srt.layers import cpu_gemv
+from srt.layers.cpu_kernels import load_cpu_kernels
 from srt.layers.cpu_packed_linear import linear
 
 needs_f32 = pytest.mark.skipif(not cpu_gemv.cpu_runs(torch.float32), reason="no AVX512F/BW on this CPU")
@@ -28,7 +29,7 @@ DTYPES = [pytest.param(torch.float32, marks=needs_f32), pytest.param(torch.bfloa
 
 @pytest.fixture(scope="module", autouse=True)
 def library():
-    if not (cpu_gemv.cpu_runs(torch.float32) and cpu_gemv.load_gemv_library()):
+    if not (cpu_gemv.cpu_runs(torch.float32) and load_cpu_kernels()):
         pytest.skip("the GEMV kernel is not built for this CPU")
 
 

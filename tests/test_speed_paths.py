@@ -193,7 +193,8 @@ def test_int4wo_group_must_divide_the_inputs():
 
 @pytest.mark.parametrize("batch, matmul_dtype", [(3, torch.float32), (16, torch.float32), (17, torch.bfloat16)])
 def test_compiled_small_batches_run_attention_matmuls_in_fp32(batch, matmul_dtype):
-    """In a compiled step up to FP32_ATTENTION_MAX_ROWS rows (the small-batch graphs) the
+    """The torch decode-attention path (the fallback of gramsync's op, and its reference): in a
+    compiled step up to FP32_ATTENTION_MAX_ROWS rows (the small-batch graphs) its
     two attention matmuls of a bf16 model run in fp32 (faster at these shapes, docs/speed.md);
     larger batches keep bf16. The traced graph is read: which dtype each matmul got."""
     import srt.layers.attention.torch_native as native
@@ -214,8 +215,8 @@ def test_compiled_small_batches_run_attention_matmuls_in_fp32(batch, matmul_dtyp
     args = (q, fb.token_to_kv_pool.k_buffer[0], fb.token_to_kv_pool.v_buffer[0], fb.decode_kv_slots,
             fb.decode_kv_valid, layer.num_kv_heads, layer.scaling)
     with torch.inference_mode():
-        out = torch.compile(native.decode_attention, backend=record, dynamic=True)(*args)
-        eager = native.decode_attention(*args)  # eager: bf16 matmuls from 2 rows
+        out = torch.compile(native.decode_attention_torch, backend=record, dynamic=True)(*args)
+        eager = native.decode_attention_torch(*args)  # eager: bf16 matmuls from 2 rows
     assert seen == [matmul_dtype, matmul_dtype]
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), eager.float(), rtol=2e-2, atol=2e-2)

@@ -10,10 +10,9 @@ oneDNN's packed bf16 GEMM (what Inductor's ``freezing`` emits) reads SmolLM2's w
 those CPUs keep oneDNN (``cpu_runs``). torch.export / AOTInductor packages call it like
 any op, through AOTInductor's proxy executor.
 
-It is built from source with the C++ compiler Inductor already needs
-(``torch.utils.cpp_extension``, ~5 s once per machine, kept under
-``TORCH_EXTENSIONS_DIR``) and only where a graph would use it: the compile builder
-(nice 19) builds it while tracing, and a rank loads it before it loads a package.
+It is built (cpu_kernels.py, with the decode-attention op) only where a graph would use
+it: the compile builder (nice 19) builds it while tracing, and a rank loads it before it
+loads a package.
 ``GRAMSYNC_CPU_GEMV=0`` keeps the graphs on oneDNN. ``linear`` routes to the op only
 inside a trace (eager steps keep oneDNN's packed weights) and only where the rows are
 known to be <= 16 (the batch-1 and 2-16 graphs; the 17-64 graph is compute-bound,
@@ -21,18 +20,12 @@ where oneDNN is faster).
 """
 from __future__ import annotations
 
-import functools
-import logging
-import os
-
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-logger = logging.getLogger(__name__)
+from srt.layers.cpu_kernels import PANEL, load_cpu_kernels
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_gemv.cpp")
 GEMV_MAX_ROWS = 16
-PANEL = 16  # weight rows per panel: one 16-lane register of outputs
 
 
 def gemv_wanted() -> bool:
@@ -40,28 +33,6 @@ def gemv_wanted() -> bool:
     from srt.environ import GRAMSYNC_CPU_GEMV
 
     return GRAMSYNC_CPU_GEMV.get()
-
-
-@functools.cache
-def load_gemv_library() -> bool:
-    """Build (once per machine) and load the op's library into this process; False, with a
-    warning, where it cannot be built (no compiler). Cached: the op stays registered for the
-    process's life, and a failure is not retried every trace."""
-    try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(name="gramsync_cpu_gemv", sources=[SOURCE], extra_cflags=["-O3", "-fopenmp"],
-                           is_python_module=False, verbose=False)
-    except Exception as e:  # noqa: BLE001 - no compiler, a failed build: the graphs keep oneDNN
-        logger.warning("the CPU GEMV kernel could not be built (%s: %s); small-batch matmuls stay on oneDNN",
-                       type(e).__name__, str(e)[:300])
-        return False
-    torch.library.register_fake("gramsync::small_linear")(_small_linear_fake)
-    return True
-
-
-def _small_linear_fake(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], wp.shape[0] * PANEL))
 
 
 def cpu_runs(dtype: torch.dtype) -> bool:
@@ -75,7 +46,7 @@ def cpu_runs(dtype: torch.dtype) -> bool:
 @torch.compiler.assume_constant_result  # Dynamo calls it, never traces the build
 def gemv_available(dtype: torch.dtype) -> bool:
     """The user wants it, this CPU runs ``dtype`` natively and the library is loaded."""
-    return gemv_wanted() and cpu_runs(dtype) and load_gemv_library()
+    return gemv_wanted() and cpu_runs(dtype) and load_cpu_kernels()
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -2,16 +2,15 @@
 
 Decode reads one slot table per step, ``[B, S]`` (built once in
 ``init_forward_metadata``, not per layer; padding points at each sequence's first slot so
-no never-written slot is read, and is masked to -inf), gathers each layer's keys and
-values through it into a head-major ``[KVH, B, S, D]`` block with one ``index_select``,
-and runs two batched matmuls (GQA as grouped query heads, no repeat of K/V). Measured
-against the alternative that reads the pool in place (products and reductions over
-``k_buffer[:, slots]``, which Inductor fuses into one loop that loads every key through
-the slot table): compiled, bf16, per layer, 1.6 ms in place vs 0.47 ms gather + matmul at
-batch 32 x 100 keys, and 4.7 vs 3.6 ms at 64 x 150; equal at batch 1. The copy is small
-(the batch's keys, not the pool) and makes the matmuls contiguous, so it stays. The table's
-key count is rounded up to ``DECODE_KEY_BUCKET`` so the matmul shapes repeat from step to
-step, and small batches compute in fp32 (both measured in docs/speed.md).
+no never-written slot is read, and is masked). On CPU gramsync's own op reads each row's
+keys and values in place through it (cpu_decode_attention.cpp: 0.85-0.95x the served
+step of the path below, bf16, docs/speed.md). The torch path, its reference and fallback,
+gathers each layer's keys and values into a head-major ``[KVH, B, S, D]`` block with one
+``index_select`` and runs two batched matmuls (GQA as grouped query heads, no repeat of
+K/V); it beat Inductor's fused in-place loop (1.6 ms in place vs 0.47 ms at batch 32 x 100
+keys, compiled, bf16, per layer). The table's key count is rounded up to
+``DECODE_KEY_BUCKET`` so the matmul shapes repeat from step to step, and small batches
+compute in fp32 (both measured in docs/speed.md).
 Extend (prefill) runs SDPA per sequence: prompt lengths differ, torch has no varlen SDPA
 on CPU, and a padded batch wastes the compute that dominates prefill; a sequence's loop
 iteration costs microseconds next to its matmuls.
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 
 from srt.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention.base import AttentionBackend
+from srt.layers.cpu_decode_attention_op import use_decode_attention_op
 
 
 # Decode's key count S is rounded up to a multiple of this (the extra keys are masked):
@@ -92,7 +92,16 @@ class TorchNativeAttnBackend(AttentionBackend):
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
                      valid: torch.Tensor, num_kv_heads: int, scaling: float) -> torch.Tensor:
     """q ``[B, H, D]`` against each row's keys (``slots``/``valid`` ``[B, S]``) in one
-    layer's pool ``[KVH, N, D]``. No layer object: one compiled graph serves every layer."""
+    layer's pool ``[KVH, N, D]``. No layer object: one compiled graph serves every layer.
+    On CPU gramsync's own op reads the pool in place (cpu_decode_attention_op.py)."""
+    if use_decode_attention_op(q, k_buf):
+        return torch.ops.gramsync.decode_attention(q, k_buf, v_buf, slots, valid, scaling)
+    return decode_attention_torch(q, k_buf, v_buf, slots, valid, num_kv_heads, scaling)
+
+
+def decode_attention_torch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+                           valid: torch.Tensor, num_kv_heads: int, scaling: float) -> torch.Tensor:
+    """The torch path: gather, then two batched matmuls (and the op's reference)."""
     B, S = slots.shape
     H, D = q.shape[1], q.shape[2]
     KVH = num_kv_heads

@@ -1,0 +1,49 @@
+"""Builds and loads gramsync's own CPU ops (namespace ``gramsync``) into this process.
+
+Two hand-written kernels, each where measurement showed the library path falls short, each
+checked against a torch reference: ``small_linear`` (cpu_gemv.cpp, the small-batch GEMV)
+and ``decode_attention`` (cpu_decode_attention.cpp, decode attention read in place from the
+KV pool). One library, built from source with the C++ compiler Inductor already needs
+(``torch.utils.cpp_extension``, ~10 s once per machine, kept under ``TORCH_EXTENSIONS_DIR``),
+so an AOTInductor package that calls either op finds both registered.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = [os.path.join(_HERE, "cpu_gemv.cpp"), os.path.join(_HERE, "cpu_decode_attention.cpp")]
+PANEL = 16  # the GEMV's weight rows per panel (cpu_gemv.pack_weight)
+
+
+@functools.cache
+def load_cpu_kernels() -> bool:
+    """Build (once per machine) and load the ops; False, with a warning, where they cannot be
+    built (no compiler): callers then keep the torch paths. Cached: the ops stay registered
+    for the process's life, and a failure is not retried every trace."""
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name="gramsync_cpu_kernels", sources=SOURCES, extra_cflags=["-O3", "-fopenmp"],
+                           is_python_module=False, verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, a failed build: the torch paths stay
+        logger.warning("gramsync's CPU kernels could not be built (%s: %s); the torch paths stay",
+                       type(e).__name__, str(e)[:300])
+        return False
+    torch.library.register_fake("gramsync::small_linear")(_small_linear_fake)
+    torch.library.register_fake("gramsync::decode_attention")(_decode_attention_fake)
+    return True
+
+
+def _small_linear_fake(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], wp.shape[0] * PANEL))
+
+
+def _decode_attention_fake(q, k, v, slots, valid, scaling):
+    return q.new_empty(q.shape)

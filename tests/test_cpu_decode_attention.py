@@ -3,7 +3,7 @@
 The op reads each row's keys and values in place from a layer's KV pool through the slot
 table; the torch path (decode_attention_torch) gathers them and runs two matmuls. Checked
 against that path run in float64 over the shapes decode meets (one row to past 16, one key
-to hundreds, padded rows, GQA groups of 1, 3 and 8, a head size that is not a multiple of
+to a thousand, a row's keys split across threads and rejoined, padded rows, GQA groups of 1, 3 and 8, a head size that is not a multiple of
 the 16-lane block, q as a strided view), then its errors, then the routing: eager and
 exported graphs call it, ``GRAMSYNC_CPU_DECODE_ATTENTION=0`` keeps the torch path. The real
 model's package (op + GEMV) is checked against the torch path in test_aoti_decode.py.
@@ -48,7 +48,7 @@ def _check(out, ref, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,S", [(1, 1), (1, 64), (2, 37), (4, 128), (16, 128), (17, 300)])
+@pytest.mark.parametrize("B,S", [(1, 1), (1, 64), (2, 37), (4, 128), (16, 128), (17, 300), (1, 700), (2, 1100)])
 @pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (4, 4, 24), (16, 2, 128)])
 def test_op_matches_the_torch_path_in_float64(dtype, B, S, H, KVH, D):
     q, k, v, slots, valid = _case(B, S, H, KVH, D, 1000, dtype, seed=B * 1000 + S)

@@ -4,7 +4,8 @@
 // every row's keys and values into a fresh block, casts it, and runs two batched matmuls: at 16
 // rows it writes and re-reads about twice the bytes of the keys themselves. Here each (row,
 // kv head) task reads its keys and values once, straight from the pool, and its G = H / KVH
-// query heads share every load (GQA). Scores, softmax and the weighted sum are fp32 (the torch
+// query heads share every load (GQA); where tasks are fewer than two a thread, a row's keys are
+// split into chunks whose partial results are rejoined (flash-decoding). Scores, softmax and the weighted sum are fp32 (the torch
 // path's small batches compute in fp32 too); the output is rounded once to q's dtype.
 // AVX-512 intrinsics for head sizes 64 and 128; elsewhere the same algorithm as plain loops over
 // 16-lane blocks that the compiler vectorises for the CPU it runs on (AVX-512, AVX2 or neither,
@@ -18,6 +19,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <limits>
@@ -85,20 +87,19 @@ inline __attribute__((always_inline)) float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Scores [G, S] -> unnormalised weights in place, and 1 / (each row's sum). A masked key
-// (-inf), and any key below e^-87 of the best, weighs exactly 0 (so does every key of a row
-// with none valid, which decode never sends: x is NaN there).
-inline __attribute__((always_inline)) void softmax(float* scores, const float* mx, int64_t G, int64_t S,
-                                                   float* inv_sum) {
+// Scores [G, n] -> unnormalised weights in place, and each row's sum. A masked key (-inf), and
+// any key below e^-87 of the best, weighs exactly 0 (so does every key of a chunk with none
+// valid: its max is -inf and x is NaN).
+inline __attribute__((always_inline)) void softmax(float* scores, const float* mx, int64_t G, int64_t n,
+                                                   float* sum) {
   for (int64_t g = 0; g < G; g++) {
-    float* sg = scores + g * S;
+    float* sg = scores + g * n;
     const float m = mx[g];
-    for (int64_t j = 0; j < S; j++) {
+    for (int64_t j = 0; j < n; j++) {
       const float x = sg[j] - m;
       sg[j] = x >= -87.0f ? exp_nonpositive(x) : 0.f;
     }
-    const float sum = lane_sum(sg, S);
-    inv_sum[g] = sum > 0.f ? 1.f / sum : 0.f;
+    sum[g] = lane_sum(sg, n);
   }
 }
 
@@ -114,80 +115,79 @@ struct Task {
   void* out;
 };
 
-// One task's inputs: its G query heads scaled into fp32 (qf [G, D]), and where its keys,
-// values and slot-table row start.
+// One chunk: row b, kv head h, keys [j0, j0 + n). Its G query heads scaled into fp32 (qf
+// [G, D]), where its keys, values and slot-table entries start, and its partial result
+// `part`: the max score [G], the sum of weights [G], the unnormalised weighted values [G, D].
 template <typename T>
-struct TaskView {
+struct Chunk {
   const T *k, *v;
   const int64_t* slots;
   const bool* valid;
+  int64_t n;
+  float *mx, *sum, *acc;
 };
 
 template <typename T>
-inline __attribute__((always_inline)) TaskView<T> begin_task(const Task& t, int64_t b, int64_t h, float* qf) {
+inline __attribute__((always_inline)) Chunk<T> begin_chunk(const Task& t, int64_t b, int64_t h, int64_t j0,
+                                                           int64_t n, float* qf, float* part) {
   const int64_t G = t.H / t.KVH, D = t.D;
   const T* q = static_cast<const T*>(t.q);
   for (int64_t g = 0; g < G; g++) {
     to_float(q + b * t.q_s0 + (h * G + g) * t.q_s1, qf + g * D, D);
     for (int64_t d = 0; d < D; d++) qf[g * D + d] *= t.scaling;
   }
-  return {static_cast<const T*>(t.k) + h * t.kv_s0, static_cast<const T*>(t.v) + h * t.kv_s0, t.slots + b * t.S,
-          t.valid + b * t.S};
+  for (int64_t g = 0; g < G; g++) part[g] = -std::numeric_limits<float>::infinity();
+  return {static_cast<const T*>(t.k) + h * t.kv_s0, static_cast<const T*>(t.v) + h * t.kv_s0,
+          t.slots + b * t.S + j0, t.valid + b * t.S + j0, n, part, part + G, part + 2 * G};
 }
 
-// One (row b, kv head h) task: its G query heads against the row's valid keys.
+// Portable: plain loops the compiler vectorises for the target it is compiled for.
 template <typename T>
-inline __attribute__((always_inline)) void attend_impl(const Task& t, int64_t b, int64_t h, float* scratch) {
-  const int64_t G = t.H / t.KVH, D = t.D, S = t.S;
+inline __attribute__((always_inline)) void attend_impl(const Task& t, int64_t b, int64_t h, int64_t j0, int64_t n,
+                                                       float* scratch, float* part) {
+  const int64_t G = t.H / t.KVH, D = t.D;
   float* qf = scratch;          // [G, D]
   float* row = qf + G * D;      // [D]: one key or value in fp32
-  float* acc = row + D;         // [G, D]
-  float* scores = acc + G * D;  // [G, S]
-  const auto [k, v, slots, valid] = begin_task<T>(t, b, h, qf);
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  float mx[64];  // G <= 64 (checked)
-  for (int64_t g = 0; g < G; g++) mx[g] = kNegInf;
-  for (int64_t j = 0; j < S; j++) {
-    if (!valid[j]) {
-      for (int64_t g = 0; g < G; g++) scores[g * S + j] = kNegInf;
+  float* scores = row + D;      // [G, n]
+  const Chunk<T> c = begin_chunk<T>(t, b, h, j0, n, qf, part);
+  for (int64_t j = 0; j < n; j++) {
+    if (!c.valid[j]) {
+      for (int64_t g = 0; g < G; g++) scores[g * n + j] = -std::numeric_limits<float>::infinity();
       continue;
     }
-    to_float(k + slots[j] * t.kv_s1, row, D);
+    to_float(c.k + c.slots[j] * t.kv_s1, row, D);
     for (int64_t g = 0; g < G; g++) {
-      float s = dot(qf + g * D, row, D);
-      scores[g * S + j] = s;
-      mx[g] = s > mx[g] ? s : mx[g];
+      const float s = dot(qf + g * D, row, D);
+      scores[g * n + j] = s;
+      c.mx[g] = s > c.mx[g] ? s : c.mx[g];
     }
   }
-  float inv_sum[64];
-  softmax(scores, mx, G, S, inv_sum);
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t j = 0; j < S; j++) {
-    if (!valid[j]) continue;
-    to_float(v + slots[j] * t.kv_s1, row, D);
+  softmax(scores, c.mx, G, n, c.sum);
+  std::fill(c.acc, c.acc + G * D, 0.f);
+  for (int64_t j = 0; j < n; j++) {
+    if (!c.valid[j]) continue;
+    to_float(c.v + c.slots[j] * t.kv_s1, row, D);
     for (int64_t g = 0; g < G; g++) {
-      const float p = scores[g * S + j];
-      float* a = acc + g * D;
+      const float p = scores[g * n + j];
+      float* a = c.acc + g * D;
       for (int64_t d = 0; d < D; d++) a[d] += p * row[d];
     }
   }
-  T* out = static_cast<T*>(t.out) + b * t.H * D;
-  for (int64_t g = 0; g < G; g++)
-    for (int64_t d = 0; d < D; d++) out[(h * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv_sum[g]);
 }
 
-// The same body compiled three times; the CPU picks one at run time.
 template <typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void attend_any_avx512(const Task& t, int64_t b, int64_t h, float* s) {
-  attend_impl<T>(t, b, h, s);
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) void attend_any_avx512(
+    const Task& t, int64_t b, int64_t h, int64_t j0, int64_t n, float* s, float* part) {
+  attend_impl<T>(t, b, h, j0, n, s, part);
 }
 template <typename T>
-__attribute__((target("avx2,fma"))) void attend_avx2(const Task& t, int64_t b, int64_t h, float* s) {
-  attend_impl<T>(t, b, h, s);
+__attribute__((target("avx2,fma"))) void attend_avx2(const Task& t, int64_t b, int64_t h, int64_t j0, int64_t n,
+                                                     float* s, float* part) {
+  attend_impl<T>(t, b, h, j0, n, s, part);
 }
 template <typename T>
-void attend_generic(const Task& t, int64_t b, int64_t h, float* s) {
-  attend_impl<T>(t, b, h, s);
+void attend_generic(const Task& t, int64_t b, int64_t h, int64_t j0, int64_t n, float* s, float* part) {
+  attend_impl<T>(t, b, h, j0, n, s, part);
 }
 
 // AVX-512 for head sizes of 64 and 128 (NV = D / 16 registers a row): the row of a key or value
@@ -208,67 +208,81 @@ GS_AVX512 inline __attribute__((always_inline)) void load_row(const T* src, __m5
 }
 
 template <typename T, int NV>
-GS_AVX512 void scores_avx512(const Task& t, const float* qf, const T* k, const int64_t* slots, const bool* valid,
-                             int64_t G, float* scores, float* mx) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int64_t S = t.S;
-  for (int64_t j = 0; j < S; j++) {
-    if (!valid[j]) {
-      for (int64_t g = 0; g < G; g++) scores[g * S + j] = kNegInf;
+GS_AVX512 void scores_avx512(const Task& t, const float* qf, const Chunk<T>& c, int64_t G, float* scores) {
+  const int64_t n = c.n;
+  for (int64_t j = 0; j < n; j++) {
+    if (!c.valid[j]) {
+      for (int64_t g = 0; g < G; g++) scores[g * n + j] = -std::numeric_limits<float>::infinity();
       continue;
     }
     __m512 r[NV];
-    load_row<T, NV>(k + slots[j] * t.kv_s1, r);
+    load_row<T, NV>(c.k + c.slots[j] * t.kv_s1, r);
     for (int64_t g = 0; g < G; g++) {
       __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + g * NV * 16), r[0]);
       for (int i = 1; i < NV; i++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + (g * NV + i) * 16), r[i], acc);
       const float sc = _mm512_reduce_add_ps(acc);
-      scores[g * S + j] = sc;
-      mx[g] = sc > mx[g] ? sc : mx[g];
+      scores[g * n + j] = sc;
+      c.mx[g] = sc > c.mx[g] ? sc : c.mx[g];
     }
   }
 }
 
-// out[g0 .. g0 + GB) = sum over valid keys of weight x value, times 1 / sum.
+// acc[g0 .. g0 + GB) = the sum over valid keys of weight x value.
 template <typename T, int NV, int GB>
-GS_AVX512 void values_avx512(const Task& t, const T* v, const int64_t* slots, const bool* valid, const float* w,
-                             const float* inv_sum, int64_t g0, float* out) {
-  const int64_t S = t.S;
+GS_AVX512 void values_avx512(const Task& t, const Chunk<T>& c, const float* w, int64_t g0) {
+  const int64_t n = c.n;
   __m512 acc[GB][NV];
   for (int g = 0; g < GB; g++)
     for (int i = 0; i < NV; i++) acc[g][i] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < S; j++) {
-    if (!valid[j]) continue;
+  for (int64_t j = 0; j < n; j++) {
+    if (!c.valid[j]) continue;
     __m512 r[NV];
-    load_row<T, NV>(v + slots[j] * t.kv_s1, r);
+    load_row<T, NV>(c.v + c.slots[j] * t.kv_s1, r);
     for (int g = 0; g < GB; g++) {
-      const __m512 p = _mm512_set1_ps(w[(g0 + g) * S + j]);
+      const __m512 p = _mm512_set1_ps(w[(g0 + g) * n + j]);
       for (int i = 0; i < NV; i++) acc[g][i] = _mm512_fmadd_ps(p, r[i], acc[g][i]);
     }
   }
   for (int g = 0; g < GB; g++)
-    for (int i = 0; i < NV; i++)
-      _mm512_storeu_ps(out + (g0 + g) * NV * 16 + 16 * i, _mm512_mul_ps(acc[g][i], _mm512_set1_ps(inv_sum[g0 + g])));
+    for (int i = 0; i < NV; i++) _mm512_storeu_ps(c.acc + (g0 + g) * NV * 16 + 16 * i, acc[g][i]);
 }
 
 template <typename T, int NV>
-GS_AVX512 void attend_avx512(const Task& t, int64_t b, int64_t h, float* scratch) {
-  constexpr int64_t D = NV * 16;
+GS_AVX512 void attend_avx512(const Task& t, int64_t b, int64_t h, int64_t j0, int64_t n, float* scratch,
+                             float* part) {
   constexpr int GB = 16 / NV;  // 16 accumulator registers of 32
-  const int64_t G = t.H / t.KVH, S = t.S;
-  float* qf = scratch;         // [G, D]
-  float* res = qf + G * D;     // [G, D]
-  float* scores = res + G * D; // [G, S]
-  const auto [k, v, slots, valid] = begin_task<T>(t, b, h, qf);
-  float mx[64], inv_sum[64];
-  for (int64_t g = 0; g < G; g++) mx[g] = -std::numeric_limits<float>::infinity();
-  scores_avx512<T, NV>(t, qf, k, slots, valid, G, scores, mx);
-  softmax(scores, mx, G, S, inv_sum);
+  const int64_t G = t.H / t.KVH;
+  float* qf = scratch;              // [G, D]
+  float* scores = qf + G * NV * 16; // [G, n]
+  const Chunk<T> c = begin_chunk<T>(t, b, h, j0, n, qf, part);
+  scores_avx512<T, NV>(t, qf, c, G, scores);
+  softmax(scores, c.mx, G, n, c.sum);
   int64_t g0 = 0;
-  for (; g0 + GB <= G; g0 += GB) values_avx512<T, NV, GB>(t, v, slots, valid, scores, inv_sum, g0, res);
-  for (; g0 < G; g0++) values_avx512<T, NV, 1>(t, v, slots, valid, scores, inv_sum, g0, res);
-  T* out = static_cast<T*>(t.out) + b * t.H * D;
-  for (int64_t i = 0; i < G * D; i++) out[h * G * D + i] = static_cast<T>(res[i]);
+  for (; g0 + GB <= G; g0 += GB) values_avx512<T, NV, GB>(t, c, scores, g0);
+  for (; g0 < G; g0++) values_avx512<T, NV, 1>(t, c, scores, g0);
+}
+
+// out[b, h's heads] from the chunks' partial results: rescaled to the common max, summed,
+// divided by the total weight. One chunk (the usual case) is its own result.
+template <typename T>
+void combine(const Task& t, const float* parts, int64_t chunks, int64_t task) {
+  const int64_t G = t.H / t.KVH, D = t.D, b = task / t.KVH, h = task % t.KVH, stride = G * (D + 2);
+  T* out = static_cast<T*>(t.out) + b * t.H * D + h * G * D;
+  std::vector<float> res(D);
+  for (int64_t g = 0; g < G; g++) {
+    float m = -std::numeric_limits<float>::infinity(), total = 0.f;
+    for (int64_t c = 0; c < chunks; c++) m = std::max(m, parts[c * stride + g]);
+    std::fill(res.begin(), res.end(), 0.f);
+    for (int64_t c = 0; c < chunks; c++) {
+      const float* part = parts + c * stride;
+      const float x = part[g] - m;
+      const float w = x >= -87.0f ? exp_nonpositive(x) : 0.f;
+      total += w * part[G + g];
+      for (int64_t d = 0; d < D; d++) res[d] += w * part[2 * G + g * D + d];
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int64_t d = 0; d < D; d++) out[g * D + d] = static_cast<T>(res[d] * inv);
+  }
 }
 
 int isa_level() {
@@ -279,14 +293,33 @@ int isa_level() {
 }
 const int kIsa = isa_level();
 
+// Keys a chunk holds at least, when a row's keys are split (flash-decoding): below this the
+// split's combine costs more than the idle thread it saves.
+constexpr int64_t kMinChunkKeys = 256;
+
 template <typename T>
 void run(const Task& t) {
   auto fn = kIsa == 2 ? (t.D == 64 ? attend_avx512<T, 4> : t.D == 128 ? attend_avx512<T, 8> : attend_any_avx512<T>)
             : kIsa == 1 ? attend_avx2<T> : attend_generic<T>;
-  const int64_t G = t.H / t.KVH;
-  at::parallel_for(0, t.B * t.KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(G * t.D * 2 + t.D + G * t.S);
-    for (int64_t i = begin; i < end; i++) fn(t, i / t.KVH, i % t.KVH, scratch.data());
+  const int64_t G = t.H / t.KVH, tasks = t.B * t.KVH, threads = at::get_num_threads();
+  // Few (row, kv head) tasks for the threads (one long chat: 3 for 2 threads) leave threads
+  // idle: split each row's keys into chunks so there are about two tasks a thread.
+  int64_t chunks = 1;
+  if (tasks < 2 * threads)
+    chunks = std::max<int64_t>(1, std::min((2 * threads + tasks - 1) / tasks, t.S / kMinChunkKeys));
+  const int64_t per_chunk = (t.S + chunks - 1) / chunks;
+  chunks = (t.S + per_chunk - 1) / per_chunk;
+  const int64_t stride = G * (t.D + 2);
+  std::vector<float> parts(tasks * chunks * stride);
+  at::parallel_for(0, tasks * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(G * t.D + t.D + G * per_chunk);
+    for (int64_t i = begin; i < end; i++) {
+      const int64_t task = i / chunks, j0 = (i % chunks) * per_chunk;
+      fn(t, task / t.KVH, task % t.KVH, j0, std::min(per_chunk, t.S - j0), scratch.data(), parts.data() + i * stride);
+    }
+  });
+  at::parallel_for(0, tasks, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; task++) combine<T>(t, parts.data() + task * chunks * stride, chunks, task);
   });
 }
 

@@ -10,7 +10,7 @@ three times (ms for the 30 layers, median of 7) and the op's ratio to the compil
 
 ``--served``: the served decode step as bench_offline measures it (the in-process scheduler,
 the compiled steps, chat prompts, 48 greedy tokens), from two schedulers in one process whose
-packages were built with ``GRAMSYNC_CPU_DECODE_ATTENTION`` 1 and 0, alternating over 3 rounds;
+packages were built with ``GRAMSYNC_CPU_DECODE_ATTENTION`` 1 and 0, alternating over 5 rounds;
 one line per batch size with both medians and their ratio.
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def run(dtype: torch.dtype) -> None:
               f"torch eager {eager:.2f} ms, torch compiled {comp:.2f} ms; op vs compiled: ratio {ours / comp:.2f}x")
 
 
-def served(dtype: str, levels: list[int], rounds: int = 3) -> None:
+def served(dtype: str, levels: list[int], rounds: int = 5) -> None:
     import step_breakdown
     from bench_offline import chat_prompts
     from srt.model_loader import resolve_model_path

@@ -84,7 +84,9 @@ def breakdown(sched, prompts_ids, concurrency: int, new_tokens: int, eager_split
     """One concurrency level: the served step and its phases, then (``eager_split``) the
     eager forward split."""
     batch = [prompts_ids[i % len(prompts_ids)] for i in range(concurrency)]
-    _decode(sched, batch, 4, f"warm{concurrency}")
+    # A whole untimed pass first: with 4 warm-up tokens the first level measured read 1.2-1.3x
+    # slow (first touches of the KV pool's pages, the machine settling; docs/speed.md).
+    _decode(sched, batch, new_tokens, f"warm{concurrency}")
     steps = _decode(sched, batch, new_tokens, f"c{concurrency}")
     phases = sched.step_stats.mode("DECODE").per_step_ms()
     row = {"concurrency": concurrency, "step_ms": 1e3 * statistics.median(steps), "phases_ms": phases}

@@ -80,6 +80,10 @@ def test_op_refuses_what_it_cannot_run_with_a_clear_error():
         op(q, k, v, bad, valid, 0.1)
     bad[1, 0], valid[1, 0] = -1, False  # a masked slot is never read, so never checked
     op(q, k, v, bad, valid, 0.1)
+    q, k, v, slots, valid = _case(2, 40, 9, 3, 64, 50, torch.float32, seed=2)  # in a block of 16 keys too
+    valid[1, 20:] = False
+    slots[1, 20:] = -(10 ** 12)
+    _check(op(q, k, v, slots, valid, 0.1), _reference(q, k, v, slots.clamp(min=0), valid, 0.1), torch.float32)
 
 
 def test_eager_decode_uses_the_op_unless_switched_off(monkeypatch):

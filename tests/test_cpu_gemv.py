@@ -7,7 +7,8 @@ trace whose rows are known to be <= 16, only where the CPU runs the dtype native
 ``GRAMSYNC_CPU_GEMV`` is not 0; and a real AOTInductor package (export + compile with
 freezing, as the decode graphs are built) calls the op on a weight packed once at compile
 time, giving ``F.linear``'s results. The real model's package is checked in
-test_aoti_decode.py. Skips where the CPU lacks AVX512 (the graphs keep oneDNN there).
+test_aoti_decode.py. fp32 runs on AVX512F+BW or AVX2+FMA CPUs (two kernels), bf16 on
+AVX512-BF16 only; elsewhere the tests skip (the graphs keep oneDNN / the template there).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from srt.layers import cpu_gemv
 from srt.layers.cpu_kernels import load_cpu_kernels
 from srt.layers.cpu_packed_linear import linear
 
-needs_f32 = pytest.mark.skipif(not cpu_gemv.cpu_runs(torch.float32), reason="no AVX512F/BW on this CPU")
+needs_f32 = pytest.mark.skipif(not cpu_gemv.cpu_runs(torch.float32), reason="neither AVX512F/BW nor AVX2+FMA on this CPU")
 needs_bf16 = pytest.mark.skipif(not cpu_gemv.cpu_runs(torch.bfloat16), reason="no AVX512-BF16 on this CPU")
 DTYPES = [pytest.param(torch.float32, marks=needs_f32), pytest.param(torch.bfloat16, marks=needs_bf16)]
 

@@ -33,8 +33,14 @@ bool has_avx512() {
 }
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 
+bool has_avx2_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
 const bool kAvx512 = has_avx512();
 const bool kAvx512Bf16 = has_avx512_bf16();
+const bool kAvx2 = has_avx2_fma();
 
 // Panels per register tile for MB rows: MB x NBT accumulators (<= 16 of 32 registers).
 constexpr int panels_for(int mb) { return mb <= 2 ? 8 : mb <= 4 ? 4 : mb <= 8 ? 2 : 1; }
@@ -94,6 +100,90 @@ __attribute__((target("avx512f"))) void tile_f32(
     for (int p = 0; p < NBT; p++) _mm512_storeu_ps(y + m * ldy + (p0 + p) * kPanel, acc[m][p]);
 }
 
+// AVX2 + FMA (no AVX512): a panel's 16 outputs are two ymm accumulators, and 16 ymm
+// registers hold MB x NBT x 2 accumulators, the NBT x 2 weight vectors and x's broadcast,
+// so at most 6 rows share a load. Larger batches go in row groups that take each panel in
+// turn, a chunk of kChunk columns at a time (8 KB, in L1), the accumulators kept in y
+// between chunks: the weights then stream from memory at an even pace under the groups'
+// multiply-adds, where whole-panel groups would leave memory idle during the later groups.
+constexpr int kAvx2MaxRows = 6;
+constexpr int64_t kChunk = 128;
+constexpr int avx2_panels_for(int mb) { return mb == 1 ? 4 : mb <= 3 ? 2 : 1; }
+// One core's stream falls behind its multiply-adds from 3 rows (one core reads ~10 GB/s here,
+// and 6 rows compute ~24 GB/s worth): 4 KB ahead read 6.3-6.8 -> 8.2-8.8 GB/s at 4 rows and
+// 5.6-7.2 -> 8.0-9.1 at 3 in a one-core stream test; at one row it slowed the read.
+constexpr int avx2_prefetch_bytes(int mb) { return mb >= 3 ? 4096 : 0; }
+
+// y[m, p*16 + i] (+)= x[m, k0:k1] . panel rows, for MB rows and NBT panels from p0.
+template <int MB, int NBT>
+__attribute__((target("avx2,fma"))) void tile_f32_avx2(const float* x, int64_t ldx, int64_t K, int64_t k0,
+                                                       int64_t k1, const float* wp, int64_t p0, float* y,
+                                                       int64_t ldy, bool accumulate) {
+  // Flat arrays: GCC keeps a [MB][NBT][2] array of vectors on the stack, storing it every step.
+  constexpr int V = 2 * NBT;
+  __m256 acc[MB * V];
+  for (int m = 0; m < MB; m++)
+    for (int v = 0; v < V; v++)
+      acc[m * V + v] = accumulate ? _mm256_loadu_ps(y + m * ldy + p0 * kPanel + v * 8) : _mm256_setzero_ps();
+  const int64_t panel_elems = K * kPanel;
+  const float* w = wp + p0 * panel_elems;
+  for (int64_t k = k0; k < k1; k++) {
+    __m256 wv[V];
+    for (int v = 0; v < V; v++) wv[v] = _mm256_loadu_ps(w + (v / 2) * panel_elems + k * kPanel + (v % 2) * 8);
+    if constexpr (avx2_prefetch_bytes(MB) > 0)
+      for (int p = 0; p < NBT; p++)  // one 64-byte line per panel per k
+        _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_elems + k * kPanel) + avx2_prefetch_bytes(MB),
+                     _MM_HINT_T0);
+    for (int m = 0; m < MB; m++) {
+      const __m256 xv = _mm256_set1_ps(x[m * ldx + k]);  // not broadcast_ss(ptr): GCC then keeps acc in memory
+      for (int v = 0; v < V; v++) acc[m * V + v] = _mm256_fmadd_ps(wv[v], xv, acc[m * V + v]);
+    }
+  }
+  for (int m = 0; m < MB; m++)
+    for (int v = 0; v < V; v++) _mm256_storeu_ps(y + m * ldy + p0 * kPanel + v * 8, acc[m * V + v]);
+}
+
+// MB rows, all columns, over panels [p, end): tiles of NBT panels, then single panels.
+template <int MB>
+void avx2_rows(const float* x, int64_t K, const float* wp, int64_t p, int64_t end, float* y, int64_t ldy) {
+  constexpr int NBT = avx2_panels_for(MB);
+  for (; p + NBT <= end; p += NBT) tile_f32_avx2<MB, NBT>(x, K, K, 0, K, wp, p, y, ldy, false);
+  for (; p < end; p++) tile_f32_avx2<MB, 1>(x, K, K, 0, K, wp, p, y, ldy, false);
+}
+
+template <int... MBs>
+void avx2_all_rows(int64_t mb, const float* x, int64_t K, const float* wp, int64_t p, int64_t end, float* y,
+                   int64_t ldy, std::integer_sequence<int, MBs...>) {
+  ((mb == MBs + 1 ? avx2_rows<MBs + 1>(x, K, wp, p, end, y, ldy) : void()), ...);
+}
+
+template <int... MBs>
+void avx2_chunk(int64_t mb, const float* x, int64_t K, int64_t k0, int64_t k1, const float* wp, int64_t p,
+                float* y, int64_t ldy, std::integer_sequence<int, MBs...>) {
+  ((mb == MBs + 1 ? tile_f32_avx2<MBs + 1, 1>(x, K, K, k0, k1, wp, p, y, ldy, k0 > 0) : void()), ...);
+}
+
+void run_f32_avx2(const float* x, const float* wp, int64_t M, int64_t panels, int64_t K, float* y) {
+  const int64_t N = panels * kPanel;
+  const auto rows = std::make_integer_sequence<int, kAvx2MaxRows>{};
+  if (M <= kAvx2MaxRows) {
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      avx2_all_rows(M, x, K, wp, begin, end, y, N, rows);
+    });
+    return;
+  }
+  const int64_t groups = (M + kAvx2MaxRows - 1) / kAvx2MaxRows;  // as even as possible: 16 = 6 + 5 + 5
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; p++)
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk)
+        for (int64_t g = 0, m0 = 0; g < groups; g++) {
+          const int64_t mb = (M - m0) / (groups - g);
+          avx2_chunk(mb, x + m0 * K, K, k0, std::min(K, k0 + kChunk), wp, p, y + m0 * N, N, rows);
+          m0 += mb;
+        }
+  });
+}
+
 // MB rows over panels [begin, end): tiles of NBT panels, then single panels.
 template <typename T, typename Out, int MB>
 void rows_over_panels(const T* x, int64_t K, const T* wp, int64_t begin, int64_t end, Out* y, int64_t ldy) {
@@ -129,7 +219,7 @@ void run(const T* x, const T* wp, int64_t M, int64_t panels, int64_t K, Out* y) 
 }
 
 bool available(c10::ScalarType dtype) {
-  return dtype == at::kBFloat16 ? kAvx512Bf16 : dtype == at::kFloat && kAvx512;
+  return dtype == at::kBFloat16 ? kAvx512Bf16 : dtype == at::kFloat && (kAvx512 || kAvx2);
 }
 
 at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& wp) {
@@ -151,8 +241,10 @@ at::Tensor small_linear(const at::Tensor& x_in, const at::Tensor& wp) {
   if (bf16)
     run(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), reinterpret_cast<const uint16_t*>(wp.const_data_ptr()),
         M, panels, K, y.data_ptr<c10::BFloat16>());
-  else
+  else if (kAvx512)
     run(x.const_data_ptr<float>(), wp.const_data_ptr<float>(), M, panels, K, y.data_ptr<float>());
+  else
+    run_f32_avx2(x.const_data_ptr<float>(), wp.const_data_ptr<float>(), M, panels, K, y.data_ptr<float>());
   return y;
 }
 

@@ -39,8 +39,10 @@ def cpu_runs(dtype: torch.dtype) -> bool:
     """This CPU has the instructions the kernel needs for ``dtype``."""
     from srt.compile_cache import cpu_flags
 
-    need = {torch.float32: {"avx512f", "avx512bw"}, torch.bfloat16: {"avx512f", "avx512bw", "avx512_bf16"}}
-    return dtype in need and need[dtype] <= set(cpu_flags())
+    flags = set(cpu_flags())
+    if dtype == torch.float32:
+        return {"avx512f", "avx512bw"} <= flags or {"avx2", "fma"} <= flags
+    return dtype == torch.bfloat16 and {"avx512f", "avx512bw", "avx512_bf16"} <= flags
 
 
 @torch.compiler.assume_constant_result  # Dynamo calls it, never traces the build

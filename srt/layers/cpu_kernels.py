@@ -9,6 +9,8 @@ so an AOTInductor package that calls either op finds both registered.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -20,6 +22,23 @@ logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, "cpu_gemv.cpp"), os.path.join(_HERE, "cpu_decode_attention.cpp")]
 PANEL = 16  # the GEMV's weight rows per panel (cpu_gemv.pack_weight)
+LIBRARY = "gramsync_cpu_kernels"
+
+
+@contextlib.contextmanager
+def _builder_lock(build_dir: str):
+    """One builder at a time per build folder, by an OS lock the kernel drops when its holder
+    dies. cpp_extension's own lock is a file that a killed builder (a server stopped during
+    its first start) leaves behind, and every later load then waits on it forever; under
+    this lock no other builder is alive, so a leftover one is stale and is removed."""
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "gramsync-builder.lock"), "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released when the file closes or the process dies
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing %s, left by a kernel build that was killed", stale)
+            os.remove(stale)
+        yield
 
 
 @functools.cache
@@ -30,8 +49,10 @@ def load_cpu_kernels() -> bool:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name="gramsync_cpu_kernels", sources=SOURCES, extra_cflags=["-O3", "-fopenmp"],
-                           is_python_module=False, verbose=False)
+        build_dir = cpp_extension._get_build_directory(LIBRARY, verbose=False)  # honours TORCH_EXTENSIONS_DIR
+        with _builder_lock(build_dir):
+            cpp_extension.load(name=LIBRARY, sources=SOURCES, extra_cflags=["-O3", "-fopenmp"],
+                               build_directory=build_dir, is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, a failed build: the torch paths stay
         logger.warning("gramsync's CPU kernels could not be built (%s: %s); the torch paths stay",
                        type(e).__name__, str(e)[:300])

@@ -3,8 +3,8 @@
 Decode reads one slot table per step, ``[B, S]`` (built once in
 ``init_forward_metadata``, not per layer; padding points at each sequence's first slot so
 no never-written slot is read, and is masked). On CPU gramsync's own op reads each row's
-keys and values in place through it (cpu_decode_attention.cpp: 0.85-0.95x the served
-step of the path below, bf16, docs/speed.md). The torch path, its reference and fallback,
+keys and values in place through it (cpu_decode_attention.cpp: 0.84-0.99x the served
+step of the path below, bf16 and fp32, docs/speed.md). The torch path, its reference and fallback,
 gathers each layer's keys and values into a head-major ``[KVH, B, S, D]`` block with one
 ``index_select`` and runs two batched matmuls (GQA as grouped query heads, no repeat of
 K/V); it beat Inductor's fused in-place loop (1.6 ms in place vs 0.47 ms at batch 32 x 100

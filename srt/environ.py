@@ -153,8 +153,8 @@ GRAMSYNC_COMPILE_CACHE_DIR = EnvVar(
 GRAMSYNC_CPU_GEMV = EnvVar(
     "GRAMSYNC_CPU_GEMV", bool, True,
     "On CPU, the compiled decode graphs' matmuls at up to 16 rows run a hand-written GEMV "
-    "(srt/layers/cpu_gemv.cpp; bf16 with AVX512-BF16, fp32 with AVX512F) instead of oneDNN; other CPUs keep oneDNN. "
-    "0 keeps oneDNN (a new compile key: the graphs rebuild).",
+    "(srt/layers/cpu_gemv.cpp; bf16 with AVX512-BF16, fp32 with AVX512F or AVX2+FMA) instead of oneDNN or "
+    "Inductor's GEMM template; other CPUs keep those. 0 keeps them (a new compile key: the graphs rebuild).",
 )
 GRAMSYNC_CPU_DECODE_ATTENTION = EnvVar(
     "GRAMSYNC_CPU_DECODE_ATTENTION", bool, True,

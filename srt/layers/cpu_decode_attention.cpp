@@ -41,7 +41,8 @@ inline __attribute__((always_inline)) void to_float(const c10::BFloat16* src, fl
 }
 
 // Sums in 16 independent lanes, then a fixed tree: vectorises without -ffast-math, and the
-// order of additions never depends on the machine.
+// generic loops add in the same order on every machine (the AVX-512 path reduces with
+// _mm512_reduce_add_ps, in its own fixed order).
 inline __attribute__((always_inline)) float tree(float* part) {
   for (int w = kLanes / 2; w > 0; w /= 2)
     for (int l = 0; l < w; l++) part[l] += part[l + w];

@@ -162,6 +162,16 @@ GRAMSYNC_CPU_DECODE_ATTENTION = EnvVar(
     "in place (srt/layers/cpu_decode_attention.cpp) instead of gathering keys for torch's matmuls. "
     "0 keeps the torch path (a new compile key: the graphs rebuild).",
 )
+GRAMSYNC_SPEC_ROW_COST = EnvVar(
+    "GRAMSYNC_SPEC_ROW_COST", float, 0.12,
+    "Speculative decoding: one extra decode row's cost relative to a one-row step; drafts are "
+    "sized so their expected gain beats it (higher: shorter, fewer drafts).",
+)
+GRAMSYNC_SPEC_MAX_ROWS = EnvVar(
+    "GRAMSYNC_SPEC_MAX_ROWS", int, 16,
+    "Speculative decoding: no drafting once a decode step has this many rows (requests plus "
+    "fast-forwarded and drafted tokens): past it a step is compute-bound and rows are not free.",
+)
 GRAMSYNC_TORCH_COMPILE_AUTO = EnvVar(
     "GRAMSYNC_TORCH_COMPILE_AUTO", bool, True,
     "What neither --enable-torch-compile nor --disable-torch-compile means: compile the "
@@ -187,6 +197,8 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     GRAMSYNC_ADMIN_API_KEY,
     GRAMSYNC_CLUSTER_SECRET,
     GRAMSYNC_TORCH_COMPILE_AUTO,
+    GRAMSYNC_SPEC_ROW_COST,
+    GRAMSYNC_SPEC_MAX_ROWS,
     GRAMSYNC_COMPILE_CACHE,
     GRAMSYNC_AOTI_DECODE,
     GRAMSYNC_COMPILE_CACHE_DIR,

@@ -75,6 +75,10 @@ class ServerArgs:
     # Constrained generation
     grammar_backend: str = _f("auto", "Grammar backend: auto (default: xgrammar, and per request llguidance for specs xgrammar rejects or only approximates, such as oneOf), xgrammar, llguidance, none (reject constraints), or a name registered with register_grammar_backend (see --grammar-backend-plugins).")
     logprobs_mode: str = _f("processed_logprobs", "What returned logprobs describe: processed_logprobs, the distribution the token was drawn from (after penalties, grammar mask, logit bias and temperature); raw_logprobs, the model's own (vLLM's flag).", ["processed_logprobs", "raw_logprobs"])
+    speculative_algorithm: Optional[str] = _f(None, "Speculative decoding (SGLang's flag; docs/speed.md 'Speculative decoding'): NGRAM drafts a request's next tokens from its own prompt and output (the longest recent suffix seen before, and what followed it), cut where its grammar forbids one, and each decode step verifies them exactly as extra rows. Default: off.", ["NGRAM"])
+    speculative_num_draft_tokens: int = _f(8, "NGRAM: most tokens drafted per request per step (the draft is sized below this by the request's acceptance so far).")
+    speculative_ngram_min_match_window_size: int = _f(1, "NGRAM: shortest suffix of the request's tokens that counts as a match (SGLang's flag).")
+    speculative_ngram_max_match_window_size: int = _f(12, "NGRAM: longest suffix tried first (SGLang's flag).")
     disable_grammar_fast_forward: bool = _f(False, "Never append the tokens a grammar forces (the rest of a JSON key, a fixed separator) without a decode step each; by default they are appended and their KV computed as extra rows of the next decode step.")
     grammar_backend_plugins: Optional[str] = _f(None, "Comma-separated modules every scheduler rank imports before creating the grammar backend (they call register_grammar_backend).")
     constrained_json_disable_any_whitespace: bool = _f(False, "JSON constraints allow no whitespace between tokens (compact separators ',' and ':').")
@@ -140,6 +144,11 @@ class ServerArgs:
         if self.torchao_config is not None and self.torchao_config not in TORCHAO_CONFIGS:
             raise ValueError(f"--torchao-config must be one of {', '.join(TORCHAO_CONFIGS)} "
                              f"(got {self.torchao_config!r})")
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError("--speculative-num-draft-tokens must be at least 1")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError("--speculative-ngram-min-match-window-size must be at least 1 and at most "
+                             "--speculative-ngram-max-match-window-size")
         if self.constrained_json_max_whitespace < 0:
             raise ValueError("--constrained-json-max-whitespace must be at least 0")
         if self.constrained_json_whitespace_pattern is not None and self.grammar_backend == "xgrammar":

@@ -27,6 +27,7 @@ from srt.transport.io_struct import FinishReason
 from srt.scheduler.logprob_tracker import (PromptLogprobRows, logprob_rows, plan_prompt_logprobs,
                                           record_output_logprobs, record_prompt_logprobs)
 from srt.scheduler.req import Req
+from srt.scheduler.spec_step import SpecStepMixin
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,13 @@ class BatchStep:
     fb: ForwardBatch
     prompt_plan: list[PromptLogprobRows] = field(default_factory=list)
     row_counts: Optional[list[int]] = None  # decode: rows per request (> 1 after a fast-forward)
+    drafts: Optional[list[list[int]]] = None  # decode: each request's drafted tokens (verified)
     logits: Optional[torch.Tensor] = None  # one row per request, to sample from
     info: Optional[SamplingBatchInfo] = None
     next_ids: Optional[torch.Tensor] = None
+    tokens: Optional[list[list[int]]] = None  # per request: the tokens to append, in order
+    accepted: Optional[list[int]] = None  # with drafts, per request: n-gram drafts kept
+    kv_valid: Optional[list[int]] = None  # with drafts: leading tokens whose KV was computed
     has_grammar: bool = False  # any request in the batch has one: its time counts as grammar
     chunked: bool = False  # a prefill whose last request was a mid-prompt chunk (it left)
 
@@ -51,7 +56,7 @@ class BatchStep:
         return self.info.mask_fill_seconds if self.info.vocab_mask is not None else 0.0
 
 
-class BatchStepMixin:
+class BatchStepMixin(SpecStepMixin):
     """``Scheduler``'s batch phases. They use its kv, runner, tp, rank_info, batch_log,
     step_stats, generator, mask_executor, tokenizer, vocab_size, fast-forward settings,
     request sets (waiting, running, running_info, reqs) and ``_keep_running``."""
@@ -83,16 +88,17 @@ class BatchStepMixin:
         """KV slots and the forward batch (a prefill's with the rows prompt logprobs need);
         one BatchStep per part of it."""
         n = len(reqs) if mode is ForwardMode.DECODE else len(self.running) if mode is ForwardMode.MIXED else 0
-        counts = [r.uncomputed_tokens for r in reqs[:n]]  # decode rows per request, before their KV slots
+        counts = [r.decode_rows for r in reqs[:n]]  # decode rows per request, before their KV slots
+        drafts = [list(r.draft_ids) for r in reqs[:n]]
         if mode is ForwardMode.EXTEND:
             fb = self.kv.prepare_extend(reqs)
             steps = [self._extend_step(reqs, fb)]
         elif mode is ForwardMode.DECODE:
             fb = self.kv.prepare_decode(reqs)
-            steps = [self._decode_step(reqs, fb, counts)]
+            steps = [self._decode_step(reqs, fb, counts, drafts)]
         else:
             fb = self.kv.prepare_mixed(reqs[:n], reqs[n:])
-            steps = [self._decode_step(reqs[:n], fb.decode_part, counts),
+            steps = [self._decode_step(reqs[:n], fb.decode_part, counts, drafts),
                      self._extend_step(reqs[n:], fb.extend_part)]
         self.batch_log.record(mode.name, (r.rid for r in reqs))
         return steps, fb
@@ -105,11 +111,13 @@ class BatchStepMixin:
             r.first_scheduled_time = r.first_scheduled_time or now
         return BatchStep(ForwardMode.EXTEND, reqs, fb, prompt_plan=plan)
 
-    def _decode_step(self, reqs: list[Req], fb: ForwardBatch, counts: list[int]) -> BatchStep:
+    def _decode_step(self, reqs: list[Req], fb: ForwardBatch, counts: list[int],
+                     drafts: list[list[int]]) -> BatchStep:
         # The grammars are settled until this step's tokens are accepted: fill their
         # bitmask while the forward runs.
         self.running_info.start_vocab_mask_fill(self.mask_executor)
-        return BatchStep(ForwardMode.DECODE, reqs, fb, row_counts=counts)
+        return BatchStep(ForwardMode.DECODE, reqs, fb, row_counts=counts,
+                         drafts=drafts if any(drafts) else None)
 
     def _forward(self, steps: list[BatchStep], fb: ForwardBatch) -> None:
         """The model's forward; each part takes its rows of the logits."""
@@ -128,7 +136,11 @@ class BatchStepMixin:
             record_prompt_logprobs(step.prompt_plan, logits[n:], self.rank_info.is_entry_rank)
             logits = logits[:n]
         logits = logits.float()  # rows came in the model's dtype with prompt logprobs (no-op else)
-        if step.mode is ForwardMode.DECODE and step.fb.batch_size != n:
+        if step.drafts is not None:  # each request's last 1 + len(draft) rows are sampled
+            ends = torch.tensor(step.row_counts).cumsum(0).tolist()
+            logits = logits[torch.tensor([e - len(d) - 1 + j for e, d in zip(ends, step.drafts)
+                                          for j in range(len(d) + 1)])]
+        elif step.mode is ForwardMode.DECODE and step.fb.batch_size != n:
             # Fast-forwarded requests fed several rows: sample from each one's last row.
             logits = logits[torch.tensor(step.row_counts).cumsum(0) - 1]
         step.logits = logits
@@ -169,7 +181,11 @@ class BatchStepMixin:
 
     def _sample(self, step: BatchStep) -> None:
         """Each request's next token (and logprobs, when asked); with grammars in the batch,
-        TP ranks agree on one token per row."""
+        TP ranks agree on one token per row. With drafts, every drafted position is
+        sampled (spec_step.py)."""
+        if step.drafts is not None:
+            self._sample_drafts(step)
+            return
         reqs = step.reqs
         if step.mode is ForwardMode.EXTEND:
             info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.runner.device,
@@ -186,6 +202,7 @@ class BatchStepMixin:
         info.cumulate_output_tokens(next_ids)
         record_output_logprobs(reqs, lp_rows, logprobs, next_ids)
         step.info, step.next_ids = info, next_ids
+        step.tokens = [[t] for t in next_ids.tolist()]
 
     def _agree_on_tokens(self, next_ids: torch.Tensor) -> torch.Tensor:
         """Same decision on every rank (identical batch): grammars must see one token."""
@@ -198,28 +215,41 @@ class BatchStepMixin:
         return next_ids
 
     def _process_results(self, step: BatchStep) -> None:
-        """Per request: its grammar accepts the token, the tokens it forces next are
-        fast-forwarded, stop conditions are checked; finished requests are released."""
+        """Per request: its tokens are appended one by one (its grammar accepts each, stop
+        conditions are checked after each), the KV of drafted positions not kept is freed,
+        then the tokens its grammar forces are fast-forwarded and its next tokens drafted;
+        finished requests are released."""
         reqs, info = step.reqs, step.info
         failed = info.take_failed_rows()
         forced_rows, forced_ids = [], []
-        rows_left = self.decode_row_limit - len(reqs) - (
-            len(self.running) if step.mode is ForwardMode.EXTEND else 0)
-        for i, (r, tok) in enumerate(zip(reqs, step.next_ids.tolist())):
-            if i not in failed:  # a failed row's token is never used
-                r.output_ids.append(tok)
-                message = accept_into_grammar(r, tok)
-                failed[i] = None if message is None else (message, 500)
-            if failed[i] is None:
-                r.check_finished(self.tokenizer)
+        batch = len(reqs) + (len(self.running) if step.mode is ForwardMode.EXTEND else 0)
+        rows_left = self.decode_row_limit - batch
+        spec_rows = (self.spec_config.max_rows - batch) if self.spec_config is not None else 0
+        for i, (r, tokens) in enumerate(zip(reqs, step.tokens)):
+            start = r.seqlen  # the first token's position
+            appended = 0
+            if i not in failed:  # a failed row's tokens are never used
+                appended, failed[i] = self._append_tokens(r, tokens)
+            if step.drafts is not None:  # KV beyond what was kept: freed now, never cached
+                self.kv.truncate(r, start + min(step.kv_valid[i], appended))
+            if self.spec_config is not None and step.mode is not ForwardMode.EXTEND and r.spec:
+                drafted = sum(1 for f in r.spec.forced if not f) if step.drafts else 0
+                r.spec.record(drafted, step.accepted[i] if step.drafts else 0)
+            if failed[i] is None and not r.finished and r.grammar is not None:
                 # Forced tokens have no distribution of their own: no fast-forward for
                 # requests that asked for logprobs.
-                if (self.fast_forward and r.grammar is not None and rows_left > 0
-                        and not r.finished and not r.return_logprob):
+                if self.fast_forward and rows_left > 0 and not r.return_logprob:
                     forced, failed[i] = self._fast_forward(r, rows_left)
                     rows_left -= len(forced)
+                    spec_rows -= len(forced)
                     forced_rows += [i] * len(forced)
                     forced_ids += forced
+            if failed[i] is None and not r.finished and self.spec_config is not None:
+                drafted = self._draft(r, min(rows_left, spec_rows), batch)
+                rows_left -= drafted
+                spec_rows -= drafted
+            elif r.spec is not None:
+                r.spec.clear_draft()
             if failed[i] is not None:
                 message, status = failed[i]
                 logger.warning("%s aborting %s: %s", self.rank_info.log_prefix, r.rid, message)
@@ -229,6 +259,19 @@ class BatchStepMixin:
         info.cumulate_forced_tokens(forced_rows, forced_ids)
         if forced_rows:
             self.batch_log.record_forced(forced_rows, forced_ids)
+
+    def _append_tokens(self, req: Req, tokens: list[int]) -> tuple[int, Optional[tuple[str, int]]]:
+        """Append a step's tokens (one, or drafts kept plus one) until the request
+        finishes; (tokens appended, failure or None)."""
+        for n, tok in enumerate(tokens, 1):
+            req.output_ids.append(tok)
+            message = accept_into_grammar(req, tok)
+            if message is not None:
+                return n, (message, 500)
+            req.check_finished(self.tokenizer)
+            if req.finished:
+                return n, None
+        return len(tokens), None
 
     def _fast_forward(self, req: Req, max_rows: int) -> tuple[list[int], Optional[tuple[str, int]]]:
         """Append the tokens the request's grammar forces next; their KV is computed by the

@@ -95,8 +95,10 @@ class KVCacheManager:
         takes n consecutive decode rows (same table row, positions p..p+n-1): every layer
         writes all rows' K/V before attending, and row i attends to positions <= its own,
         so the rows compute exactly a causal extend of those n tokens, inside the decode
-        step (compiled graph included). Caller checked capacity."""
-        counts = [r.uncomputed_tokens for r in reqs]
+        step (compiled graph included). Drafted tokens (speculative decoding) follow as
+        more such rows; ``truncate`` frees the slots of those not accepted. Caller checked
+        capacity."""
+        counts = [r.decode_rows for r in reqs]
         total = sum(counts)
         out_loc = self._alloc(total)
         if total == len(reqs):
@@ -108,7 +110,8 @@ class KVCacheManager:
             for r, n in zip(reqs, counts):
                 positions.extend(range(r.kv_committed_len, r.kv_committed_len + n))
                 table_rows.extend([r.req_pool_idx] * n)
-                ids.extend(r.output_ids[-n:])
+                ids.extend(r.output_ids[-r.uncomputed_tokens:])
+                ids.extend(r.draft_ids)
         rows = torch.tensor(table_rows, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         self.req_to_token_pool.req_to_token[rows, pos_t] = out_loc
@@ -143,6 +146,15 @@ class KVCacheManager:
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.kv_pool,
         )
+
+    def truncate(self, req: Req, length: int) -> None:
+        """Keep KV for the request's first ``length`` tokens only: the slots after them
+        (drafted tokens that were not accepted) are freed at once and never cached."""
+        if req.req_pool_idx is None or length >= req.kv_committed_len:
+            return
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        self.allocator.free(row[length:req.kv_committed_len].clone())
+        req.kv_committed_len = length
 
     def release(self, req: Req) -> None:
         """A request ends (finish, abort, grammar failure) or is retracted: its computed

@@ -5,6 +5,7 @@ import time
 from typing import Optional
 
 from sampling.sampling_params import SamplingParams
+from srt.speculative.spec_state import SpecState
 from srt.transport.io_struct import FinishReason, LogprobRequest
 
 
@@ -44,6 +45,8 @@ class Req:
         self.grammar_future = None  # Future while waiting in the grammar queue
         self.grammar_wait_ct = 0  # scheduler polls spent waiting (identical on every rank)
         self.fast_forward_tokens = 0  # output tokens the grammar forced (no decode step each)
+        # Speculative decoding (srt/speculative): drafts for the next step, acceptance.
+        self.spec: Optional[SpecState] = None
         # Logprobs (entry rank only fills them): one entry per output token, and the
         # prompt's from logprobs.start_len on, computed while it is prefilled.
         self.logprobs = logprobs
@@ -69,6 +72,17 @@ class Req:
         """Tokens without KV yet, which the next decode step feeds: the last output token,
         plus any fast-forwarded after it."""
         return self.seqlen - self.kv_committed_len
+
+    @property
+    def draft_ids(self) -> list[int]:
+        """Drafted tokens the next decode step verifies (rows after the uncomputed ones;
+        never in ``output_ids`` until accepted)."""
+        return self.spec.draft if self.spec is not None else []
+
+    @property
+    def decode_rows(self) -> int:
+        """Rows the next decode step feeds for this request (KV slots it takes)."""
+        return self.uncomputed_tokens + len(self.draft_ids)
 
     @property
     def fill_ids(self) -> list[int]:

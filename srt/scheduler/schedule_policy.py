@@ -28,7 +28,8 @@ class PrefillAdder:
             chunk_size = max(chunk_size, max_prefill_tokens)
         self.chunk_size = chunk_size
         self.clip = clip_new_tokens
-        self.reserved = sum(min(r.remaining_new_tokens(), clip_new_tokens) for r in running)
+        self.reserved = sum(max(min(r.remaining_new_tokens(), clip_new_tokens), r.decode_rows)
+                            for r in running)  # drafts take slots in the coming step
         self.busy = bool(running)
         self.share_prompts = share_prompts
 

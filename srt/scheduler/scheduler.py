@@ -37,6 +37,7 @@ from srt.metrics.scheduler_reporter import SchedulerMetricsReporter
 from srt.model_config import ModelConfig
 from srt.model_runner import ModelRunner
 from srt.server_args import ServerArgs
+from srt.speculative.spec_state import spec_config_from_args
 
 logger = logging.getLogger(__name__)
 Message = Union[TokenizedGenerateReq, AbortReq, FlushCacheReq]
@@ -86,6 +87,8 @@ class Scheduler(BatchStepMixin):
         self.fast_forward = not server_args.disable_grammar_fast_forward
         graph = r.compiled_decode or r.cuda_graph_runner
         self.decode_row_limit = graph.max_bs if graph is not None else server_args.torch_compile_max_bs
+        # --speculative-algorithm NGRAM: requests draft tokens the next decode step verifies.
+        self.spec_config = spec_config_from_args(server_args, r.device)
         self.step_stats = StepStats()  # per-phase seconds and counters, for benchmarks and logs
         # --enable-metrics, entry rank only: throttled SchedulerMetrics to the frontend.
         self.metrics_reporter = SchedulerMetricsReporter.create(server_args, rank_info)
@@ -259,8 +262,12 @@ class Scheduler(BatchStepMixin):
         return (ForwardMode.DECODE, list(self.running)) if self.running else None
 
     def _ensure_decode_capacity(self) -> None:
-        """Each decode step needs a slot per uncomputed token (one per request, more after
-        a fast-forward): retract the newest if short."""
+        """Each decode step needs a slot per row (one per request, more after a fast-forward
+        or with drafts): drop the drafts first, then retract the newest if short."""
+        if sum(r.decode_rows for r in self.running) > self.kv.available_tokens():
+            for r in self.running:
+                if r.spec is not None:
+                    r.spec.clear_draft()
         while self.running and self.kv.available_tokens() < sum(r.uncomputed_tokens for r in self.running):
             req = self.running[-1]
             self._keep_running(self.running[:-1])

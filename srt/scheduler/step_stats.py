@@ -63,6 +63,10 @@ class StepStats:
     token_agreement_steps: int = 0
     token_mismatches: int = 0
     fast_forward_tokens: int = 0  # output tokens grammar fast-forward appended
+    # Speculative decoding: steps that verified drafts, tokens drafted, drafts accepted.
+    spec_verify_steps: int = 0
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
     _step: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     _step_start: float = field(default=0.0, init=False, repr=False)
 

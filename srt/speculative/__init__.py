@@ -1,0 +1,1 @@
+"""Speculative decoding: n-gram drafts over a request's own tokens, verified exactly."""

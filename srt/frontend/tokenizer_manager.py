@@ -52,6 +52,7 @@ class _ReqState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     fast_forward_tokens: int = 0
+    spec_verify_ct: Optional[int] = None  # decode steps, with speculative decoding on
     finish_reason: Optional[FinishReason] = None
     dp_rank: int = 0  # the DP group serving it: aborts must go to the same group
     logprobs: Optional[LogprobAccumulator] = None  # when the request asked for them
@@ -257,14 +258,15 @@ class TokenizerManager:
         self._sends[dp_rank].send(SCHEDULER_INPUT_CODEC.encode(msg), copy=False)
 
     def _apply(self, state: _ReqState, new_ids, reason, prompt_tokens, completion_tokens,
-               cached_tokens=0, fast_forward_tokens=0, output_logprobs=None, input_logprobs=None,
-               grammar_report=None) -> None:
+               cached_tokens=0, fast_forward_tokens=0, spec_verify_ct=None, output_logprobs=None,
+               input_logprobs=None, grammar_report=None) -> None:
         new_ids = list(new_ids)
         state.output_ids.extend(new_ids)
         if prompt_tokens is not None:  # None: ended by the frontend (fail_all), counts unchanged
             state.prompt_tokens, state.completion_tokens = prompt_tokens, completion_tokens
             state.cached_tokens = cached_tokens
             state.fast_forward_tokens = fast_forward_tokens
+            state.spec_verify_ct = spec_verify_ct
         if state.logprobs is not None:
             state.logprobs.add(output_logprobs, input_logprobs)
         text_ids = new_ids
@@ -315,6 +317,11 @@ class TokenizerManager:
                 "finish_reason": fr,
             },
         }
+        if state.spec_verify_ct is not None:  # SGLang's names; accept length: tokens per step
+            out["meta_info"]["spec_verify_ct"] = state.spec_verify_ct
+            decoded = state.completion_tokens - 1  # the first token comes from the prefill
+            out["meta_info"]["spec_accept_length"] = (
+                round(decoded / state.spec_verify_ct, 3) if state.spec_verify_ct else None)
         if state.grammar is not None:
             out["meta_info"]["grammar"] = state.grammar.to_json()
         if state.logprobs is not None:
@@ -360,6 +367,7 @@ class TokenizerManager:
                         out.prompt_tokens[i], out.completion_tokens[i],
                         out.cached_tokens[i] if out.cached_tokens else 0,
                         out.fast_forward_tokens[i] if out.fast_forward_tokens else 0,
+                        out.spec_verify_ct[i] if out.spec_verify_ct else None,
                         out.output_logprobs[i] if out.output_logprobs else None,
                         out.input_logprobs[i] if out.input_logprobs else None,
                         out.grammar_reports[i] if out.grammar_reports else None,

@@ -56,3 +56,6 @@ class SchedulerMetrics:
     cache_hit_rate: float  # prompt tokens served by the radix cache over the last interval
     num_retracted_reqs: int  # cumulative
     grammar: GrammarMetricsData
+    # Tokens a running request gained per decode step over the last interval (speculative
+    # decoding's acceptance length; above 1 also with grammar fast-forward).
+    spec_accept_length: float = 0.0

@@ -27,6 +27,9 @@ GAUGES = (
     ("sglang:gen_throughput", "gen_throughput", "The generation throughput (token/s) over the last interval."),
     ("sglang:cache_hit_rate", "cache_hit_rate",
      "The prefix cache hit rate of the prompts admitted in the last interval."),
+    ("sglang:spec_accept_length", "spec_accept_length",
+     "Tokens a running request gained per decode step over the last interval (speculative "
+     "decoding's acceptance length; 0 before any decode step)."),
 )
 # (name without _total, GrammarMetricsData field, help)
 GRAMMAR_COUNTERS = (

@@ -29,6 +29,9 @@ class SchedulerMetricsReporter:
         # Since the last message:
         self._gen_tokens = self._prompt_tokens = self._cached_tokens = 0
         self._hit_rate = 0.0  # kept while no request is admitted
+        self._decode_batch = False
+        self._decode_tokens = self._decode_req_steps = 0  # since the last message
+        self._accept_length = 0.0  # kept while nothing decodes
 
     @classmethod
     def create(cls, server_args, rank_info) -> Optional["SchedulerMetricsReporter"]:
@@ -45,13 +48,17 @@ class SchedulerMetricsReporter:
                     self._prompt_tokens += len(r.origin_input_ids)
                     self._cached_tokens += r.cached_tokens or 0
         self._lens = {id(r): len(r.output_ids) for r in reqs}
+        self._decode_batch = not extend
 
     def after_batch(self, reqs: list) -> None:
         """Tokens the batch appended (sampled and fast-forwarded); a mid-prefill chunk
         left the list and appended nothing."""
         lens = self._lens
-        self._gen_tokens += sum(max(len(r.output_ids) - lens.get(id(r), len(r.output_ids)), 0)
-                                for r in reqs)
+        gained = sum(max(len(r.output_ids) - lens.get(id(r), len(r.output_ids)), 0) for r in reqs)
+        self._gen_tokens += gained
+        if self._decode_batch:
+            self._decode_tokens += gained
+            self._decode_req_steps += len(reqs)
         self._lens = {}
 
     # ---- reporting -----------------------------------------------------------------
@@ -63,6 +70,7 @@ class SchedulerMetricsReporter:
         msg = self.build(scheduler, elapsed)
         self._last_time = now
         self._gen_tokens = self._prompt_tokens = self._cached_tokens = 0
+        self._decode_tokens = self._decode_req_steps = 0
         if msg != self._last_sent:
             send(msg)
             self._last_sent = msg
@@ -70,6 +78,8 @@ class SchedulerMetricsReporter:
     def build(self, scheduler, elapsed: float) -> SchedulerMetrics:
         if self._prompt_tokens:
             self._hit_rate = self._cached_tokens / self._prompt_tokens
+        if self._decode_req_steps:
+            self._accept_length = self._decode_tokens / self._decode_req_steps
         size = scheduler.kv.allocator.size
         used = size - scheduler.kv.available_tokens()  # cached-but-evictable counts as free
         manager = scheduler.grammar_manager
@@ -86,6 +96,7 @@ class SchedulerMetricsReporter:
             cache_hit_rate=self._hit_rate,
             num_retracted_reqs=scheduler.num_retractions,
             grammar=grammar_data(manager.metrics.snapshot()),
+            spec_accept_length=self._accept_length,
         )
 
 

@@ -48,6 +48,13 @@ class BatchLog:
             pairs = ",".join(f"{r}:{t}" for r, t in zip(rows, ids))
             self._file.write(f"{self._step - 1} FORCED {pairs}\n")
 
+    def record_verified(self, tokens: list[list[int]]) -> None:
+        """Speculative decoding: each request's tokens taken this step (drafts kept, then
+        one sampled), ``row:tok.tok`` pairs."""
+        if self._file is not None:
+            runs = ",".join(f"{r}:{'.'.join(map(str, t))}" for r, t in enumerate(tokens))
+            self._file.write(f"{self._step - 1} VERIFIED {runs}\n")
+
     def record_agreement(self, mismatches: int) -> None:
         if self._file is not None:
             self._file.write(f"{self._step - 1} AGREE {mismatches}\n")

@@ -317,6 +317,8 @@ class Scheduler(BatchStepMixin):
             completion_tokens=tuple(len(r.output_ids) for r in picked),
             cached_tokens=tuple(r.cached_tokens or 0 for r in picked),
             fast_forward_tokens=tuple(r.fast_forward_tokens for r in picked),
+            spec_verify_ct=(tuple(r.spec.verify_ct if r.spec else 0 for r in picked)
+                            if self.spec_config is not None else ()),
             output_logprobs=tuple(out_lps) if any_lp else (),
             input_logprobs=tuple(in_lps) if any_lp else (),
             grammar_reports=reports if any(reports) else (),

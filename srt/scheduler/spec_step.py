@@ -24,8 +24,8 @@ from srt.speculative.spec_state import SpecState, effective_row_cost
 
 
 class SpecStepMixin:
-    """Uses the scheduler's spec_config (None: off), running_info, runner, tp, rank_info,
-    step_stats and vocab_size."""
+    """Uses the scheduler's spec_config (None: off), fast_forward, running_info, runner, tp,
+    rank_info, step_stats, batch_log and vocab_size."""
 
     def _draft(self, req: Req, rows_left: int, batch_size: int) -> int:
         """Draft the request's next tokens for the coming decode step; rows used."""
@@ -84,6 +84,7 @@ class SpecStepMixin:
         info.cumulate_forced_tokens([i for i, t in enumerate(tokens) for _ in t],
                                     [x for t in tokens for x in t])
         step.info, step.tokens, step.accepted, step.kv_valid = info, tokens, accepted, kv_valid
+        self.batch_log.record_verified(tokens)
         self.step_stats.spec_verify_steps += 1
         self.step_stats.spec_accepted_tokens += sum(accepted)
 

@@ -93,6 +93,9 @@ class BatchTokenOut:
     cached_tokens: tuple[int, ...] = ()  # prompt tokens served from the radix cache
     # Output tokens so far that grammar fast-forward appended without a decode step each.
     fast_forward_tokens: tuple[int, ...] = ()
+    # Speculative decoding: decode steps each request took while speculation was on
+    # (SGLang's spec_verify_ct); empty with speculation off.
+    spec_verify_ct: tuple[int, ...] = ()
     # Requests that asked for logprobs: those of new_token_ids[i], and the prompt's (sent
     # once, with the first message after the prompt was prefilled); None where not asked.
     output_logprobs: tuple[Optional[TokenLogprobs], ...] = ()

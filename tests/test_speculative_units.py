@@ -1,0 +1,203 @@
+"""Speculative decoding's parts, one at a time: the n-gram index, draft sizing, the draft's
+walk through a real grammar (xgrammar, llguidance over SmolLM2's tokenizer), the
+verification rows' sampling state, and the exactness of accepting a draft while the
+sample equals it (chi-square against the exact float64 distribution)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from constrained.grammar_config import GrammarBackendConfig
+from constrained.llguidance_backend import GuidanceBackend
+from constrained.xgrammar_backend import XGrammarGrammarBackend
+from sampling.sampler import Sampler
+from sampling.sampling_params import SamplingParams
+from sampling.verify_batch import expand_for_verify, verify_rows
+from srt.scheduler.req import Req
+from srt.speculative.drafter import GrammarWalk, allowed
+from srt.speculative.ngram import NgramIndex
+from srt.speculative.spec_state import (PROBE_EVERY, SpecConfig, SpecState, best_draft_length,
+                                        effective_row_cost)
+from test_sampler_statistics import assert_fits, make_info, reference_probs
+
+VOCAB = 49152
+CFG = SpecConfig(num_draft_tokens=8, min_match=1, max_match=12, row_cost=0.12, max_rows=16)
+BACKENDS = {"xgrammar": XGrammarGrammarBackend, "llguidance": GuidanceBackend}
+
+
+# ---- the n-gram index -----------------------------------------------------------------
+def test_longest_suffix_wins_over_a_more_recent_shorter_one():
+    idx = NgramIndex()
+    idx.extend([1, 2, 3, 4, 5, 9, 3, 7, 1, 2, 3])
+    # suffix [1, 2, 3] occurred at 0..2 (followed by 4, 5); [3] alone more recently (-> 7)
+    assert idx.propose(2, 1, 12) == [4, 5]
+    assert idx.propose(2, 4, 12) == []  # no match of 4 tokens
+
+
+def test_most_recent_of_equal_matches_and_k_limit():
+    idx = NgramIndex()
+    idx.extend([5, 6, 1, 5, 6, 2, 5, 6])
+    assert idx.propose(1, 2, 12) == [2]
+    assert idx.propose(5, 2, 12) == [2, 5, 6]  # stops at the sequence's end
+    assert idx.propose(0, 1, 12) == []
+
+
+def test_truncate_and_sync_keep_the_index_consistent():
+    idx = NgramIndex()
+    idx.extend([1, 2, 3, 1])
+    idx.extend([2, 9])
+    idx.truncate(4)
+    assert idx.tokens == [1, 2, 3, 1] and idx.positions[2] == [1] and idx.positions[9] == []
+    assert idx.propose(3, 1, 12) == [2, 3, 1]
+    idx.sync([1, 2, 3, 1, 2])
+    assert idx.propose(3, 2, 12) == [3, 1, 2]
+
+
+# ---- sizing ---------------------------------------------------------------------------
+def test_draft_length_follows_the_acceptance_rate():
+    assert best_draft_length(0.95, 8, 0.12) == 8
+    assert 1 <= best_draft_length(0.5, 8, 0.12) <= 3
+    assert best_draft_length(0.05, 8, 0.12) == 0  # below the row cost: drafting is off
+    # a large batch: one more row costs more relative to each request's share
+    assert effective_row_cost(0.12, 1) == pytest.approx(0.12)
+    assert effective_row_cost(0.12, 32) > 0.8
+    assert best_draft_length(0.7, 8, effective_row_cost(0.12, 32)) == 0
+
+
+def test_failing_drafts_stop_then_probe_again():
+    s = SpecState()
+    for _ in range(12):
+        s.record(drafted=4, accepted=0)
+    assert s.rate < 0.05 and s.verify_ct == 12
+    lengths = [s.draft_length(8, 0.12) for _ in range(PROBE_EVERY)]
+    assert lengths[:-1] == [0] * (PROBE_EVERY - 1) and lengths[-1] == 2
+    for _ in range(6):
+        s.record(drafted=4, accepted=4)
+    assert s.draft_length(8, 0.12) >= 4
+
+
+# ---- the walk through a grammar -------------------------------------------------------
+SCHEMA = {"type": "object", "required": ["name", "city"],
+          "properties": {"name": {"type": "string"}, "city": {"type": "string"}}}
+
+
+def _grammar(backend, tokenizer):
+    b = BACKENDS[backend].from_tokenizer(tokenizer, GrammarBackendConfig(VOCAB, (tokenizer.eos_token_id,)))
+    try:
+        return b.dispatch(("json_schema", json.dumps(SCHEMA)))
+    finally:
+        b.shutdown()
+
+
+def _walk_req(grammar, tokenizer, prompt: str, output: str) -> Req:
+    r = Req("w", tuple(tokenizer.encode(prompt)), SamplingParams(), False,
+            frozenset({tokenizer.eos_token_id}))
+    r.output_ids = tokenizer.encode(output)
+    for t in r.output_ids:
+        grammar.accept_token(t)
+    r.grammar, r.spec = grammar, SpecState()
+    r.spec.index.sync(r.fill_ids)
+    return r
+
+
+def _mask(grammar) -> torch.Tensor:
+    m = grammar.allocate_vocab_mask(VOCAB, 1, "cpu")
+    grammar.fill_vocab_mask(m, 0)
+    return m[0].clone()
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_walk_cuts_at_a_forbidden_token_and_leaves_the_grammar_as_it_was(backend, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    g = _grammar(backend, tok)
+    # The prompt repeats '"name": "Ada", "age' -- the schema has no "age": the draft must
+    # stop before the key leaves the schema.
+    r = _walk_req(g, tok, '{"name": "Ada", "age": 3}', '{"name": "')
+    before = _mask(g)
+    draft = GrammarWalk(r, 8, CFG, VOCAB, force=False).run()
+    assert tok.decode(draft.tokens).startswith("Ada")
+    assert "age" not in tok.decode(draft.tokens)
+    assert torch.equal(_mask(g), before), "the walk must roll the grammar back"
+    # Each mask row j allows the drafted token that follows it, and rows match a replay.
+    assert draft.masks.shape[0] == len(draft.tokens)
+    replay = _replayed(backend, tok, '{"name": "')
+    for j, t in enumerate(draft.tokens):
+        replay.accept_token(t)
+        assert torch.equal(draft.masks[j], _mask(replay)), j
+        if j + 1 < len(draft.tokens):
+            assert allowed(draft.masks[j], draft.tokens[j + 1])
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_forced_tokens_are_marked_and_the_row_after_them_is_not_sampled(backend, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    g = _grammar(backend, tok)
+    r = _walk_req(g, tok, "nothing to copy here", '{"')
+    draft = GrammarWalk(r, 3, CFG, VOCAB, force=True).run()
+    # "name" is forced after '{"' (fast-forward's own test); the n-gram has nothing.
+    assert draft.tokens and all(draft.forced)
+    assert tok.decode(draft.tokens) in ("name", "nam", "na", "n") or tok.decode(draft.tokens).startswith("n")
+    plain = GrammarWalk(r, 3, CFG, VOCAB, force=False).run()
+    assert plain.tokens == []  # without fast-forward only the n-gram drafts
+    assert torch.equal(_mask(g), _mask(_replayed(backend, tok, '{"')))
+
+
+def _replayed(backend, tok, text):
+    g = _grammar(backend, tok)
+    for t in tok.encode(text):
+        g.accept_token(t)
+    return g
+
+
+# ---- the verification rows ------------------------------------------------------------
+def test_each_verify_row_counts_the_drafts_before_it():
+    v = 64
+    params = [SamplingParams.from_dict({"temperature": 0.7, "frequency_penalty": 0.5,
+                                        "presence_penalty": 0.25, "repetition_penalty": 1.3,
+                                        "logit_bias": {"3": 2.0}, "seed": 11}),
+              SamplingParams.from_dict({"temperature": 0})]
+    reqs = [Req(f"r{i}", (1, 2, 3), p, False, frozenset({0})) for i, p in enumerate(params)]
+    for r in reqs:
+        r.output_ids = [5, 6]
+    from sampling.sampling_batch_info import SamplingBatchInfo
+    info = SamplingBatchInfo.from_reqs(reqs, v, "cpu", torch.Generator())
+    drafts = [[7, 7, 9], []]
+    vinfo = expand_for_verify(info, drafts, [None, None])
+    assert verify_rows(drafts) == ([0, 0, 0, 0, 1], [0, 1, 2, 3, 0])
+    assert vinfo.positions == [2, 3, 4, 5, 2] and vinfo.seeds == [11] * 4 + [None]
+    logits = torch.randn(5, v, generator=torch.Generator().manual_seed(0))
+    got = logits.clone()
+    vinfo.apply_logits_bias(got)
+    for j in range(4):  # a plain batch whose request already produced drafts[:j]
+        r = Req("x", (1, 2, 3), params[0], False, frozenset({0}))
+        r.output_ids = [5, 6] + drafts[0][:j]
+        plain = SamplingBatchInfo.from_reqs([r], v, "cpu", torch.Generator())
+        want = logits[j:j + 1].clone()
+        plain.apply_logits_bias(want)
+        assert torch.allclose(got[j], want[0]), j
+    assert info.positions == [2, 2], "the running batch's state is not touched"
+    assert torch.allclose(got[4], logits[4])
+
+
+def test_accepting_while_the_sample_equals_the_draft_is_exact():
+    """Two positions, draft x at the first: the first token must follow p0 (the draft
+    accepted with p0(x), else a residual sample), and after an accepted x the second must
+    follow p1 -- the distributions of plain sampling."""
+    torch.set_num_threads(1)
+    v, n = 12, 40000
+    g = torch.Generator().manual_seed(3)
+    row0, row1 = torch.randn(v, generator=g) * 1.5, torch.randn(v, generator=g) * 1.5
+    x = int(row0.argmax())
+    params = SamplingParams(temperature=0.8, top_k=9)
+    info = make_info([params] * n, v, gen_seed=5)
+    vinfo = expand_for_verify(info, [[x]] * n, [None] * n)
+    logits = torch.stack([row0, row1]).repeat(n, 1)
+    ids = Sampler()(logits, vinfo).view(n, 2)
+    first, second = ids[:, 0], ids[:, 1]
+    q0 = reference_probs(row0, 0.8, 9)
+    assert_fits(torch.bincount(first, minlength=v), q0)
+    after_x = second[first == x]
+    assert len(after_x) > 2000
+    assert_fits(torch.bincount(after_x, minlength=v), reference_probs(row1, 0.8, 9))

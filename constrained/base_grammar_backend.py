@@ -49,6 +49,8 @@ class BaseGrammarObject:
     # Shared by one backend's objects: ``fill(grammars, vocab_mask, rows)`` computes many
     # rows in one library call on its own threads (no GIL). None: rows are filled one by one.
     mask_filler = None
+    # Most tokens ``rollback`` can undo (None: any number). Speculative drafts stay below it.
+    max_rollback: Optional[int] = None
 
     def __init__(self) -> None:
         self.finished = False  # set by the scheduler when the request ends

@@ -89,6 +89,7 @@ class CompiledRegex:
 
 
 class OutlinesGrammar(BaseGrammarObject):
+    max_rollback = MAX_ROLLBACK
     def __init__(self, compiled: CompiledRegex) -> None:
         super().__init__()
         self.compiled = compiled

@@ -18,6 +18,7 @@ class ReasonerGrammarObject(BaseGrammarObject):
         self.stats = grammar.stats
         self.think_end_id = think_end_id
         self.is_in_reasoning = False
+        self.max_rollback = grammar.max_rollback
 
     def maybe_init_reasoning(self, reasoning: bool) -> None:
         self.is_in_reasoning = reasoning

@@ -70,11 +70,13 @@ def test_reporter_is_throttled_sends_on_change_and_fits_the_wire():
     assert (m.dp_rank, m.num_running_reqs, m.num_queue_reqs, m.num_grammar_queue_reqs) == (1, 2, 2, 1)
     assert (m.num_used_tokens, m.max_total_num_tokens, m.token_usage) == (100, 1000, 0.1)
     assert m.gen_throughput == 6 / 2.0 and m.cache_hit_rate == 0.1 and m.num_retracted_reqs == 2
+    assert m.spec_accept_length == 4 / 2  # decode steps only: 3 + 1 tokens over 2 requests
     assert m.grammar.compile_seconds[0].labels == ("xgrammar", "regex")
     assert FRONTEND_INPUT_CODEC.decode(FRONTEND_INPUT_CODEC.encode(m)) == m
     clock.t += 1.0  # idle now: throughput drops to 0 once, then nothing changes
     rep.maybe_send(sched, sent.append)
     assert len(sent) == 2 and sent[1].gen_throughput == 0 and sent[1].cache_hit_rate == 0.1
+    assert sent[1].spec_accept_length == 2.0  # kept while nothing decodes
     clock.t += 1.0
     rep.maybe_send(sched, sent.append)
     assert len(sent) == 2
@@ -116,6 +118,7 @@ def test_frontend_exposes_every_dp_group_and_request_metrics():
     model = {"model_name": "smollm2"}
     assert value(p, "sglang:num_running_reqs", dp_rank="0") == 2
     assert value(p, "sglang:num_running_reqs", dp_rank="1", **model) == 5
+    assert ("sglang:spec_accept_length", (("dp_rank", "0"), ("model_name", "smollm2"))) in p
     assert value(p, "sglang:num_grammar_cache_hit_total") == 6 and value(p, "sglang:num_grammar_total") == 10
     assert value(p, "sglang:grammar_compilation_time_seconds_count", backend="llguidance", kind="json_schema") == 2
     assert value(p, "sglang:grammar_compilation_time_seconds_bucket", backend="xgrammar", le="0.2") == 0

@@ -201,3 +201,23 @@ def test_accepting_while_the_sample_equals_the_draft_is_exact():
     after_x = second[first == x]
     assert len(after_x) > 2000
     assert_fits(torch.bincount(after_x, minlength=v), reference_probs(row1, 0.8, 9))
+
+
+def test_outlines_drafts_stay_within_its_rollback(smollm2_tokenizer):
+    """outlines-core undoes at most 32 tokens: a long copy is drafted in under 32, and the
+    walk leaves the guide where it was."""
+    from constrained.outlines_backend import MAX_ROLLBACK, OutlinesGrammarBackend
+
+    tok = smollm2_tokenizer
+    b = OutlinesGrammarBackend.from_tokenizer(tok, GrammarBackendConfig(VOCAB, (tok.eos_token_id,)))
+    try:
+        g = b.dispatch(("regex", "[a-z ]+"))
+    finally:
+        b.shutdown()
+    text = " ".join(["alpha beta gamma delta epsilon zeta eta theta iota kappa"] * 6)
+    r = _walk_req(g, tok, text, "alpha beta")
+    before = _mask(g)
+    cfg = SpecConfig(num_draft_tokens=64, min_match=1, max_match=12, row_cost=0.12, max_rows=128)
+    draft = GrammarWalk(r, 64, cfg, VOCAB, force=True).run()
+    assert 20 <= len(draft.tokens) < MAX_ROLLBACK
+    assert torch.equal(_mask(g), before)

@@ -62,15 +62,17 @@ class GrammarWalk:
     """One draft through a request's grammar; the grammar ends where it started."""
 
     def __init__(self, req: Req, length: int, cfg: SpecConfig, vocab_size: int, force: bool):
-        self.req, self.length, self.cfg, self.force = req, length, cfg, force
         self.grammar = req.grammar
+        if self.grammar.max_rollback is not None:  # outlines: the walk must be undone
+            length = min(length, self.grammar.max_rollback - 1)
+        self.req, self.length, self.cfg, self.force = req, length, cfg, force
         self.rows = self.grammar.allocate_vocab_mask(vocab_size, length + 1, "cpu")
         self.draft = Draft()
         self.accepted = 0  # tokens the grammar took (rolled back at the end)
 
     def run(self) -> Draft:
         g = self.grammar
-        if not g.needs_vocab_mask() or not self._fill(0):
+        if self.length <= 0 or not g.needs_vocab_mask() or not self._fill(0):
             return Draft()  # finished / reasoning freely / a dead end the step reports
         try:
             self._walk()

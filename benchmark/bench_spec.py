@@ -3,6 +3,7 @@ in-process scheduler compiled as served (step_breakdown.make_scheduler).
 
     .venv/bin/python benchmark/bench_spec.py [--rounds 3] [--dtype auto]
         [--cases extraction,rewrite,chat,mixed32] [--batch-sizes 1,4] [--server-args k=v,...]
+        [--breakdown chat:4]
 
 The scheduler is built with speculation configured and the two modes take turns on it
 (``sched.spec_config`` is read per step: None is off), greedy everywhere. Cases:
@@ -27,8 +28,8 @@ first token comes from its prefill) / (decode steps x requests in them, counted 
 steps in which a request received tokens after its first). 1.00 = no gain; the detail
 line gives the same figure for the off rounds, above 1 where grammar fast-forward appends
 forced tokens (extraction) without speculation. Then the per-step breakdown (StepStats:
-forward / sampling / grammar / scheduler ms per step) of the first case's last off and on
-rounds.
+forward / sampling / grammar / scheduler ms per step) of one case's last off and on rounds
+(--breakdown case:bs; default the first measured).
 
 Targets (the issue): extraction >= 2.0x, rewrite >= 1.5x, chat and mixed32 >= 0.97x.
 """
@@ -245,6 +246,8 @@ def main():
     p.add_argument("--cases", default="extraction,rewrite,chat,mixed32")
     p.add_argument("--batch-sizes", default="1,4", help="for extraction, rewrite and chat")
     p.add_argument("--server-args", default="", help="extra ServerArgs as k=v,k=v (e.g. speculative_num_draft_tokens=4)")
+    p.add_argument("--breakdown", default="", help="case:bs whose per-step breakdown is printed "
+                   "(default: the first measured), e.g. chat:4")
     args = p.parse_args()
     from srt.model_loader import resolve_model_path
     from srt.model_runner import cpu_has_native_bf16
@@ -262,11 +265,13 @@ def main():
     sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     shown = [bench_case(sched, spec_config, sched.tokenizer, case, bs, args.rounds)
              for case in cases for bs in ([32] if case == "mixed32" else sizes)]
-    if shown:
-        print(f"\nper-step breakdown, {shown[0]['label']}, last round "
+    want = args.breakdown.replace(":", " bs=")
+    pick = next((x for x in shown if x["label"] == want), shown[0] if shown else None)
+    if pick:
+        print(f"\nper-step breakdown, {pick['label']}, last round "
               "(ms per step: forward / sampling / grammar / scheduler)")
         for on in (False, True):
-            for mode, (steps, ms) in sorted(shown[0]["steps"][on].items()):
+            for mode, (steps, ms) in sorted(pick["steps"][on].items()):
                 print(f"spec {'on ' if on else 'off'} {mode:7s} {steps:5d} steps  "
                       + "  ".join(f"{k} {v:6.1f}" for k, v in ms.items()))
 

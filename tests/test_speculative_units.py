@@ -44,6 +44,14 @@ def test_most_recent_of_equal_matches_and_k_limit():
     assert idx.propose(0, 1, 12) == []
 
 
+def test_best_match_reports_length_and_position():
+    idx = NgramIndex()
+    idx.extend([1, 2, 3, 4, 1, 2, 3])
+    assert idx.best_match(1, 12) == (3, 2)
+    assert idx.best_match(4, 12) == (0, -1)
+    assert idx.best_match(1, 2) == (2, 2)
+
+
 def test_truncate_and_sync_keep_the_index_consistent():
     idx = NgramIndex()
     idx.extend([1, 2, 3, 1])
@@ -68,14 +76,16 @@ def test_draft_length_follows_the_acceptance_rate():
 
 def test_failing_drafts_stop_then_probe_again():
     s = SpecState()
+    assert s.draft_length(8, 0.12, match=1) > 0  # the prior: a one-token match is tried
     for _ in range(12):
         s.record(drafted=4, accepted=0)
-    assert s.rate < 0.05 and s.verify_ct == 12
-    lengths = [s.draft_length(8, 0.12) for _ in range(PROBE_EVERY)]
+    assert s.rates[0] < 0.05 and s.verify_ct == 12
+    lengths = [s.draft_length(8, 0.12, match=1) for _ in range(PROBE_EVERY)]
     assert lengths[:-1] == [0] * (PROBE_EVERY - 1) and lengths[-1] == 2
+    assert s.draft_length(8, 0.12, match=5) >= 2  # a long match keeps its own estimate
     for _ in range(6):
         s.record(drafted=4, accepted=4)
-    assert s.draft_length(8, 0.12) >= 4
+    assert s.rates[2] > 0.9 and s.draft_length(8, 0.12, match=3) >= 4
 
 
 # ---- the walk through a grammar -------------------------------------------------------

@@ -37,7 +37,11 @@ class SpecStepMixin:
         limit = min(cfg.num_draft_tokens, rows_left, req.remaining_new_tokens() - 1)
         if limit <= 0:
             return 0
-        length = spec.draft_length(limit, effective_row_cost(cfg.row_cost, batch_size))
+        spec.index.sync(req.fill_ids)
+        match, _ = spec.index.best_match(cfg.min_match, cfg.max_match)
+        if match == 0:
+            return 0  # nothing to copy from (forced tokens alone are fast-forward's)
+        length = spec.draft_length(limit, effective_row_cost(cfg.row_cost, batch_size), match)
         if length == 0:
             return 0
         # Forced tokens are taken as fast-forward takes them, where a plain step would.

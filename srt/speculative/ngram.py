@@ -43,10 +43,18 @@ class NgramIndex:
     def propose(self, k: int, min_n: int, max_n: int) -> list[int]:
         """Up to ``k`` tokens that followed the most recent earlier occurrence of the
         longest suffix (``min_n`` to ``max_n`` tokens long) of the sequence; [] if none."""
+        length, at = self.best_match(min_n, max_n)
+        if k <= 0 or length == 0:
+            return []
+        return self.tokens[at + 1:min(at + 1 + k, len(self.tokens))]
+
+    def best_match(self, min_n: int, max_n: int) -> tuple[int, int]:
+        """(length, end position) of the longest suffix match, most recent first among
+        equals; (0, -1) when none is ``min_n`` tokens long."""
         seq = self.tokens
         end = len(seq)
-        if k <= 0 or end < min_n + 1:
-            return []
+        if end < min_n + 1:
+            return 0, -1
         occurrences = self.positions.get(seq[-1], ())
         best_len, best_at = 0, -1
         # Newest first; the sequence's own last token is not a candidate.
@@ -62,6 +70,4 @@ class NgramIndex:
                 best_len, best_at = length, p
                 if length >= max_n:
                     break
-        if best_len < min_n:
-            return []
-        return seq[best_at + 1:min(best_at + 1 + k, end)]
+        return (best_len, best_at) if best_len >= min_n else (0, -1)

@@ -4,10 +4,10 @@ acceptance history that sizes the next draft.
 Sizing (item "never slower"): a step that verifies d drafted tokens of a request costs
 about ``1 + c_eff * d`` plain steps, where ``c_eff`` is one extra row's cost relative to
 this request's share of the step; with a per-token acceptance rate r, the request gains
-``(1 - r^(d+1)) / (1 - r)`` tokens. The draft length maximises gain over cost, so it falls
-to 0 (no drafting) once r drops below ``c_eff``: a request whose drafts keep failing stops
-drafting, and a large batch (where rows are no longer free) drafts only near-certain
-copies. A request that stopped drafting probes again every ``PROBE_EVERY`` steps with a
+``(1 - r^(d+1)) / (1 - r)`` tokens (r is kept per match-length bucket). The draft length
+maximises gain over cost, so it falls to 0 (no drafting) once r drops below ``c_eff``: a
+request whose drafts keep failing stops drafting, and a large batch (where rows are no
+longer free) drafts only near-certain copies. A request that stopped drafting probes again every ``PROBE_EVERY`` steps with a
 short draft, so a copy that starts later (the JSON after a preamble) is still found.
 
 Every input is agreed across ranks (accepted counts, batch size), so every rank sizes the
@@ -26,6 +26,9 @@ PRIOR_RATE = 0.6  # acceptance rate assumed before a request's first verificatio
 EMA = 0.3  # weight of the newest verification in the acceptance estimate
 PROBE_EVERY = 16  # steps between probes of a request that stopped drafting
 PROBE_TOKENS = 2
+# Acceptance is estimated per length of the suffix match a draft came from (1, 2, 3+
+# tokens): a one-token match on a common token is a guess, a long one is a copy.
+MATCH_BUCKETS = 3
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,9 @@ class SpecState:
     # is the running batch's own mask row. None: no grammar.
     masks: Optional[torch.Tensor] = None
     bonus: bool = True  # the position after the draft is sampled (not grammar-forced)
-    rate: float = PRIOR_RATE  # estimated per-token acceptance
+    # Estimated per-token acceptance, per match-length bucket; the current draft's bucket.
+    rates: list[float] = field(default_factory=lambda: [PRIOR_RATE] * MATCH_BUCKETS)
+    bucket: int = 0
     verify_ct: int = 0  # decode steps of this request while speculation was on
     verified_drafts: int = 0  # steps that verified at least one drafted token
     drafted_tokens: int = 0
@@ -69,11 +74,14 @@ class SpecState:
         # A rejection at position j says the first j were accepted and the next was not;
         # full acceptance says nothing about the token after the last draft.
         trials = accepted + (1 if accepted < drafted else 0)
-        self.rate = (1 - EMA) * self.rate + EMA * (accepted / trials)
+        b = self.bucket
+        self.rates[b] = (1 - EMA) * self.rates[b] + EMA * (accepted / trials)
 
-    def draft_length(self, limit: int, row_cost: float) -> int:
-        """How many tokens to draft next (0: none), at most ``limit``."""
-        best = best_draft_length(self.rate, limit, row_cost)
+    def draft_length(self, limit: int, row_cost: float, match: int) -> int:
+        """How many tokens to draft next (0: none), at most ``limit``, from a suffix match
+        of ``match`` tokens (> 0); sets the draft's bucket."""
+        self.bucket = min(match, MATCH_BUCKETS) - 1
+        best = best_draft_length(self.rates[self.bucket], limit, row_cost)
         if best > 0:
             self.idle_steps = 0
             return best

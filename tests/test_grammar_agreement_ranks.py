@@ -115,7 +115,7 @@ def _identical_batch_logs(log_dir, timeout: float = 15.0) -> list[tuple[int, str
             assert rids == "0", f"a rank's own sample differed from the agreed ids: {line}"
             assert int(step) == len(batches) - 1, line
             continue
-        if mode in ("CACHE", "FORCED"):  # radix digest / fast-forwarded tokens after the batch
+        if mode in ("CACHE", "FORCED", "VERIFIED"):  # radix digest / forced / speculated tokens
             assert int(step) == len(batches) - 1, line  # (equal on both ranks: lines matched)
             continue
         assert int(step) == len(batches), f"steps not consecutive at: {line}"

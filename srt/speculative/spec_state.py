@@ -55,9 +55,6 @@ class SpecState:
     rates: list[float] = field(default_factory=lambda: [PRIOR_RATE] * MATCH_BUCKETS)
     bucket: int = 0
     verify_ct: int = 0  # decode steps of this request while speculation was on
-    verified_drafts: int = 0  # steps that verified at least one drafted token
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
     idle_steps: int = 0  # steps since it last drafted
 
     def clear_draft(self) -> None:
@@ -68,9 +65,6 @@ class SpecState:
         self.verify_ct += 1
         if drafted == 0:
             return
-        self.verified_drafts += 1
-        self.drafted_tokens += drafted
-        self.accepted_tokens += accepted
         # A rejection at position j says the first j were accepted and the next was not;
         # full acceptance says nothing about the token after the last draft.
         trials = accepted + (1 if accepted < drafted else 0)

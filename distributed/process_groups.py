@@ -30,7 +30,8 @@ class DistConfig:
 
 
 def init_process_groups(rank: RankInfo, cfg: DistConfig) -> tuple[TPGroup, Optional[Any]]:
-    """Join the world (if it has more than one rank) and build this rank's TP group.
+    """Join the world (if it has more than one rank) and build this rank's TP group (its
+    stage's, with pipeline stages; their groups: ``distributed.pipeline``).
 
     Returns ``(tp_group, world_cpu_group)``; at world size 1 nothing is created and the
     result is ``(SINGLE_RANK, None)``. The world group is gloo: it carries start-up
@@ -55,13 +56,15 @@ def init_process_groups(rank: RankInfo, cfg: DistConfig) -> tuple[TPGroup, Optio
     if backend == "nccl":  # NCCL binds each communicator to the current device
         torch.cuda.set_device(rank.local_rank)
     mine = None
-    for dp in range(rank.dp_size):
-        ranks = list(range(dp * rank.tp_size, (dp + 1) * rank.tp_size))
+    for stage in range(rank.dp_size * rank.pp_size):  # one TP group per stage of each DP group
+        ranks = list(range(stage * rank.tp_size, (stage + 1) * rank.tp_size))
         device = dist.new_group(ranks, timeout=timeout, backend=backend)
         # Separate even on CPU: control messages never queue behind tensor traffic.
         cpu = dist.new_group(ranks, timeout=timeout, backend="gloo")
-        if dp == rank.dp_rank:
-            mine = TPGroup(rank.tp_rank, rank.tp_size, device, cpu, name=f"tp_dp{dp}")
+        if stage == rank.world_rank // rank.tp_size:
+            dp, pp = divmod(stage, rank.pp_size)
+            name = f"tp_dp{dp}" if rank.pp_size == 1 else f"tp_dp{dp}_pp{pp}"
+            mine = TPGroup(rank.tp_rank, rank.tp_size, device, cpu, name=name)
     assert mine is not None
     if backend == "gloo" and _tp_group_on_one_node(rank):
         from distributed.shm_collectives import create_shm_collectives
@@ -79,7 +82,7 @@ def _tp_group_on_one_node(rank: RankInfo) -> bool:
     """Whether the layout puts this rank's whole TP group on one node (the same answer on
     every rank of the group)."""
     per_node = rank.world_size // rank.nnodes
-    first = rank.dp_rank * rank.tp_size
+    first = rank.world_rank - rank.tp_rank
     return first // per_node == (first + rank.tp_size - 1) // per_node
 
 

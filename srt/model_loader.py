@@ -152,9 +152,10 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_config: ModelConfig, tp: TPGroup = TPGroup(),
-               dtype: Optional[torch.dtype] = None, device: str | torch.device = "cpu"):
+               dtype: Optional[torch.dtype] = None, device: str | torch.device = "cpu", stage=None):
     """Build the decoder on ``device`` and load this rank's shard of every weight
-    (``dtype``: float32 unless given)."""
+    (``dtype``: float32 unless given; ``stage``: a pipeline stage's ``StageLayers``,
+    default every layer)."""
     import torch
 
     from srt.models.decoder import CausalLM
@@ -163,7 +164,7 @@ def load_model(model_config: ModelConfig, tp: TPGroup = TPGroup(),
 
     t0 = time.monotonic()
     with torch.device(device):
-        model = CausalLM(model_config, tp, dtype=dtype)
+        model = CausalLM(model_config, tp, dtype=dtype, stage=stage)
     model.load_weights(iter_safetensors(model_config.model_path))
     model.eval()
     logger.info("Loaded %s (TP %d/%d) in %.1f s", model_config.model_path, tp.rank, tp.size,

@@ -10,6 +10,7 @@ import torch
 
 from distributed.communication import tp_min_int, without_peers
 from distributed.parallel_state import RankInfo, TPGroup
+from distributed.pipeline import PipelineGroup
 from sampling.logprobs import log_softmax_rows
 from sampling.sampler import Sampler
 from sampling.sampling_batch_info import SamplingBatchInfo
@@ -29,6 +30,7 @@ from srt.layers.quantization import apply_torchao_config
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_config import ModelConfig
 from srt.model_loader import load_model
+from srt.pipeline_forward import PipelineForward, stage_layers
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -53,17 +55,23 @@ def resolve_dtype(server_args: ServerArgs, device: str) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, model_config: ModelConfig,
-                 rank_info: RankInfo, tp: TPGroup, builder_folder: Optional[str] = None):
+                 rank_info: RankInfo, tp: TPGroup, builder_folder: Optional[str] = None,
+                 pipeline: Optional[PipelineGroup] = None):
         self.server_args = server_args
         self.model_config = model_config
         self.rank_info = rank_info
         self.tp = tp
+        # --pp-size > 1: this stage's layers; start-up agreements span the DP group.
+        self.pipeline = pipeline
+        self.ctrl = pipeline.ctrl if pipeline is not None else tp
+        self.stage = stage_layers(model_config.num_hidden_layers, rank_info.pp_rank, rank_info.pp_size,
+                                  server_args.pp_layer_partition)
         self.device = server_args.resolved_device()
         if self.device == "cuda":
             torch.cuda.set_device(rank_info.local_rank)
             self.device = f"cuda:{rank_info.local_rank}"
         self.dtype = resolve_dtype(server_args, self.device)
-        self.model = load_model(model_config, tp, self.dtype, self.device)
+        self.model = load_model(model_config, tp, self.dtype, self.device, self.stage)
         if server_args.torchao_config:
             apply_torchao_config(self.model, server_args.torchao_config, self.device, rank_info.log_prefix)
         # oneDNN-packed weights for the eager step; with int4 only a layer that neither the
@@ -71,8 +79,8 @@ class ModelRunner:
         if self.device == "cpu" and environ.GRAMSYNC_CPU_PACKED_LINEAR.get() and (
                 self._cpu_int4() or not (server_args.torchao_config or self._want_compile())):
             pack_linear_weights(self.model, self.dtype, rank_info.log_prefix)
-        # Every rank of the TP group must allocate identically: take the group's minimum.
-        self.max_total_num_tokens = tp_min_int(self._profile_max_num_tokens(), tp)
+        # Every rank of the DP group must allocate identically: take the group's minimum.
+        self.max_total_num_tokens = tp_min_int(self._profile_max_num_tokens(), self.ctrl)
         self.max_running_requests = server_args.max_running_requests
         self.context_len = model_config.context_len
         self._init_memory_pool()
@@ -81,9 +89,12 @@ class ModelRunner:
         self.compiled_decode = self.compiled_prefill = self.compile_builder = None
         if self._want_compile():
             self._start_compiling(builder_folder)
-        self.compiled_switch = CompiledSwitch(self.compiled_decode, self.compiled_prefill, tp,
+        self.compiled_switch = CompiledSwitch(self.compiled_decode, self.compiled_prefill, self.ctrl,
                                               rank_info.log_prefix)
         self.cuda_graph_runner = self._capture_cuda_graphs() if self._want_cuda_graph() else None
+        self.pipeline_forward = None if pipeline is None else PipelineForward(
+            self.model, pipeline, self.attn_backend, self.dtype, self.device,
+            server_args.pp_max_micro_batch_size)
 
     def _start_compiling(self, builder_folder: Optional[str]) -> None:
         """Compile the decode step (and, on CPU, the prefill) from the rank's compile cache:
@@ -135,7 +146,7 @@ class ModelRunner:
 
     def _want_compile(self) -> bool:
         args = self.server_args
-        if args.disable_torch_compile:
+        if args.disable_torch_compile or self.pipeline is not None:  # stages run eagerly (for now)
             return False
         if args.enable_torch_compile:
             return True
@@ -148,7 +159,7 @@ class ModelRunner:
     def _want_cuda_graph(self) -> bool:
         args = self.server_args
         # torch_native builds host-side metadata per step, and a compiled step is not captured.
-        return (self.device.startswith("cuda") and not args.disable_cuda_graph
+        return (self.device.startswith("cuda") and not args.disable_cuda_graph and self.pipeline is None
                 and self.attn_backend.name == "triton" and self.compiled_decode is None)
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
@@ -163,7 +174,7 @@ class ModelRunner:
             ok = False
         finally:
             self.req_to_token_pool.req_to_token.zero_()  # as before the check: no request yet
-        if not tp_min_int(int(ok), self.tp):  # every rank replays, or none does
+        if not tp_min_int(int(ok), self.ctrl):  # every rank replays, or none does
             logger.warning("%s CUDA graphs disabled; decoding eagerly", self.rank_info.log_prefix)
             runner.disable()
             return None
@@ -217,7 +228,7 @@ class ModelRunner:
     def _kv_bytes_per_token(self) -> int:
         cfg = self.model_config
         return MHATokenToKVPool.bytes_per_token(
-            cfg.num_hidden_layers, cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim, self.dtype)
+            self.stage.end - self.stage.start, cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim, self.dtype)
 
     def _profile_max_num_tokens(self) -> int:
         """KV pool size from --max-total-tokens or this rank's free memory."""
@@ -241,7 +252,7 @@ class ModelRunner:
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
             self.max_total_num_tokens, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            self.max_total_num_tokens, cfg.num_hidden_layers,
+            self.max_total_num_tokens, self.stage.end - self.stage.start,
             cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim, self.dtype, self.device)
         logger.info("%s KV cache: %d tokens (%.1f MiB)", self.rank_info.log_prefix,
                     self.max_total_num_tokens,
@@ -249,6 +260,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits of the rows the batch samples from; at --pp-size > 1 only the last stage
+        has them, and the others get an empty ``[rows, 0]`` (srt/pipeline_forward.py)."""
+        if self.pipeline_forward is not None:
+            return self.pipeline_forward(fb)
         self._prepare(fb)
         switch = self.compiled_switch
         if fb.mode is ForwardMode.DECODE:

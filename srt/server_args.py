@@ -92,6 +92,9 @@ class ServerArgs:
     # Parallelism
     tp_size: int = _f(1, "Tensor-parallel size: ranks that shard one copy of the model.")
     dp_size: int = _f(1, "Data-parallel size: independent TP groups; the frontend spreads requests over them.")
+    pp_size: int = _f(1, "Pipeline-parallel size (docs/multi-rank.md 'Pipeline parallelism'): stages that each hold consecutive decoder layers, each stage --tp-size ranks; a DP group is --pp-size x --tp-size ranks.")
+    pp_max_micro_batch_size: Optional[int] = _f(None, "Most sequences in one pipeline micro-batch; default: each step is split into --pp-size micro-batches of about equal tokens.")
+    pp_layer_partition: Optional[str] = _f(None, "Decoder layers per pipeline stage, comma-separated (e.g. 16,14); default: an even split, the remainder on the first stages.")
     load_balance_method: str = _f("round_robin", "How the frontend picks a DP group for a request: round_robin, shortest_queue (fewest requests in flight), or prefix_aware (the group whose radix cache most likely holds the prompt's prefix, within a load slack; else the shortest queue).", ["round_robin", "shortest_queue", "prefix_aware"])
     nnodes: int = _f(1, "Number of nodes (without torchrun: start launch.py on each with --node-rank).")
     node_rank: int = _f(0, "This node's rank (node 0 runs the HTTP frontend).")
@@ -102,13 +105,33 @@ class ServerArgs:
     log_level: str = _f("info", "Log level.", ["debug", "info", "warning", "error"])
     enable_metrics: bool = _f(False, "Serve Prometheus metrics at GET /metrics (docs/operations.md 'Metrics'); 404 without this flag.")
 
+    @property
+    def world_size(self) -> int:
+        """Scheduler ranks in all: DP groups of pipeline stages of TP ranks."""
+        return self.tp_size * self.pp_size * self.dp_size
+
+    def _check_pipeline(self) -> None:
+        if self.pp_size < 1:
+            raise ValueError("--pp-size must be at least 1")
+        if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
+            raise ValueError("--pp-max-micro-batch-size must be at least 1")
+        if self.pp_layer_partition is not None:
+            parts = self.pp_layer_partition.split(",")
+            if not all(p.strip().isdigit() and int(p) > 0 for p in parts) or len(parts) != self.pp_size:
+                raise ValueError(f"--pp-layer-partition must be {self.pp_size} positive layer counts, "
+                                 f"one per stage (e.g. 16,14), got {self.pp_layer_partition!r}")
+        if self.pp_size > 1 and self.speculative_algorithm is not None:
+            raise ValueError("--speculative-algorithm is not supported with --pp-size > 1 yet")
+
     def __post_init__(self):
         if self.tp_size < 1 or self.dp_size < 1:
             raise ValueError("--tp-size and --dp-size must be at least 1")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, --nnodes) (got {self.node_rank} of {self.nnodes})")
-        if (self.tp_size * self.dp_size) % self.nnodes:
-            raise ValueError(f"--tp-size x --dp-size ({self.tp_size * self.dp_size} ranks) must "
+        self._check_pipeline()
+        if self.world_size % self.nnodes:
+            what = "--tp-size x --dp-size" if self.pp_size == 1 else "--tp-size x --pp-size x --dp-size"
+            raise ValueError(f"{what} ({self.world_size} ranks) must "
                              f"split evenly over --nnodes {self.nnodes}")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (node 0's address)")

@@ -123,9 +123,10 @@ def spawn_local_ranks(server_args: ServerArgs, port_args: Optional[PortArgs],
     procs = []
     with children_preloaded():  # the ranks start with the allocator preloaded (cpu_allocator.py)
         for world_rank in local_world_ranks(server_args.tp_size, server_args.dp_size,
-                                            server_args.nnodes, server_args.node_rank):
+                                            server_args.nnodes, server_args.node_rank,
+                                            server_args.pp_size):
             rank = RankInfo.for_world_rank(world_rank, server_args.tp_size, server_args.dp_size,
-                                           server_args.nnodes)
+                                           server_args.nnodes, server_args.pp_size)
             launch = RankLaunch(server_args, rank, dist, port_args, defer_stop_signals)
             proc = ctx.Process(target=run_scheduler_process, name=rank.name, args=(launch,), daemon=True)
             proc.start()
@@ -157,7 +158,7 @@ def launch_schedulers(server_args: ServerArgs, port_args: PortArgs,
 def wait_for_ranks(ready: zmq.Socket, server_args: ServerArgs, handles: SchedulerHandles) -> None:
     """Collect every rank's RankReady; fill ``handles.info`` / ``input_addrs``. Raises
     RuntimeError naming the rank on a start-up failure, a dead rank or the timeout."""
-    world_size = server_args.tp_size * server_args.dp_size
+    world_size = server_args.world_size
     timeout = environ.GRAMSYNC_STARTUP_TIMEOUT.get()
     deadline = time.monotonic() + timeout
     reports: dict[int, RankReady] = {}
@@ -176,11 +177,12 @@ def wait_for_ranks(ready: zmq.Socket, server_args: ServerArgs, handles: Schedule
             raise RuntimeError(f"{dead} before it was ready; see its log above")
         if time.monotonic() > deadline:
             missing = sorted(set(range(world_size)) - reports.keys())
-            names = [RankInfo.for_world_rank(r, server_args.tp_size, server_args.dp_size).name
-                     for r in missing]
+            names = [RankInfo.for_world_rank(r, server_args.tp_size, server_args.dp_size,
+                                             pp_size=server_args.pp_size).name for r in missing]
             raise RuntimeError(f"scheduler rank(s) {', '.join(names)} did not become ready "
                                f"within {timeout} s (GRAMSYNC_STARTUP_TIMEOUT)")
-    entries = [reports[d * server_args.tp_size] for d in range(server_args.dp_size)]
+    group = server_args.tp_size * server_args.pp_size  # entry: the last stage's TP rank 0
+    entries = [reports[(d + 1) * group - server_args.tp_size] for d in range(server_args.dp_size)]
     handles.info = entries[0].info
     handles.input_addrs = tuple(e.input_addr for e in entries)
     logger.info("all %d scheduler ranks are ready", world_size)

@@ -36,15 +36,17 @@ def torchrun_server_args(server_args: ServerArgs) -> tuple[ServerArgs, RankInfo]
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world != server_args.tp_size * server_args.dp_size:
-        raise ValueError(f"torchrun started {world} processes but --tp-size {server_args.tp_size} "
-                         f"x --dp-size {server_args.dp_size} = "
-                         f"{server_args.tp_size * server_args.dp_size}: they must match")
+    if world != server_args.world_size:
+        pp = f" x --pp-size {server_args.pp_size}" if server_args.pp_size > 1 else ""
+        raise ValueError(f"torchrun started {world} processes but --tp-size {server_args.tp_size}"
+                         f"{pp} x --dp-size {server_args.dp_size} = "
+                         f"{server_args.world_size}: they must match")
     nnodes = world // per_node
     master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     server_args = dataclasses.replace(server_args, nnodes=nnodes, node_rank=rank // per_node,
                                       dist_init_addr=master)
-    info = RankInfo.for_world_rank(rank, server_args.tp_size, server_args.dp_size, nnodes)
+    info = RankInfo.for_world_rank(rank, server_args.tp_size, server_args.dp_size, nnodes,
+                                   server_args.pp_size)
     if info.local_rank != int(os.environ["LOCAL_RANK"]):
         raise ValueError(f"torchrun gave RANK {rank} LOCAL_RANK {os.environ['LOCAL_RANK']}, "
                          "but gramsync expects consecutive ranks per node")

@@ -9,6 +9,7 @@ Parameter names mirror Hugging Face's, with q/k/v and gate/up fused.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
@@ -124,26 +125,53 @@ class DecoderLayer(nn.Module):
         return self.post_attention(self.self_attn.attn(q, k, v, fb), residual)
 
 
+@dataclass(frozen=True)
+class StageLayers:
+    """The decoder layers ``[start, end)`` one pipeline stage holds (--pp-size); the first
+    stage embeds the tokens, the last holds the final norm and the LM head."""
+
+    start: int
+    end: int
+    first: bool = True
+    last: bool = True
+
+    @classmethod
+    def whole(cls, num_layers: int) -> "StageLayers":
+        return cls(0, num_layers)
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype, stage: Optional[StageLayers] = None):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
+        self.stage = stage = stage or StageLayers.whole(cfg.num_hidden_layers)
+        # The last stage keeps the embedding only for a tied LM head.
+        embed = stage.first or (stage.last and cfg.tie_word_embeddings)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype) if embed else None
         self.rotary_emb = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.context_len)
+        # Checkpoint names index every layer: another stage's layers are empty placeholders.
+        # A layer's KV-pool index counts from the stage's first layer.
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp, i, self.rotary_emb, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            DecoderLayer(cfg, tp, i - stage.start, self.rotary_emb, dtype)
+            if stage.start <= i < stage.end else nn.Identity()
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.last else None
 
     def forward(self, fb: ForwardBatch, halves: Optional["LayerHalves"] = None) -> torch.Tensor:
         """``halves``: compiled replacements of ``DecoderLayer.pre_attention`` /
         ``post_attention`` (prefill); None runs each layer eagerly."""
-        h, residual = self.embed_tokens(fb.input_ids), None
-        for layer in self.layers:
+        h, residual = self.run_layers(fb, self.embed_tokens(fb.input_ids), None, halves)
+        return h + residual  # pre-norm hidden states; CausalLM normalises the rows it needs
+
+    def run_layers(self, fb: ForwardBatch, h: torch.Tensor, residual: Optional[torch.Tensor],
+                   halves: Optional["LayerHalves"] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This stage's layers over ``(h, residual)`` (residual None before the first layer)."""
+        for layer in self.layers[self.stage.start:self.stage.end]:
             if halves is None:
                 h, residual = layer(fb.positions, h, residual, fb)
             else:
                 q, k, v, residual = halves.pre(layer, fb.positions, h, residual)
                 h, residual = halves.post(layer, layer.self_attn.attn(q, k, v, fb), residual)
-        return h + residual  # pre-norm hidden states; CausalLM normalises the rows it needs
+        return h, residual
 
 
 def _extend_rows(fb: ForwardBatch, device) -> torch.Tensor:
@@ -154,13 +182,34 @@ def _extend_rows(fb: ForwardBatch, device) -> torch.Tensor:
     return torch.tensor(fb.extend_seq_lens_cpu, device=device).cumsum(0) - 1
 
 
+def logit_row_index(fb: ForwardBatch, device) -> Optional[torch.Tensor]:
+    """The rows of a forward's hidden states that get logits, in the order returned (None:
+    every row): a MIXED batch's decode rows, then its extend part's; an extend batch's
+    ``_extend_rows``."""
+    if fb.mode == ForwardMode.MIXED and not fb.return_all_logits:
+        ext, d = fb.extend_part, fb.decode_part.batch_size  # every decode row, then extend's
+        return torch.cat([torch.arange(d, device=device), d + _extend_rows(ext, device)])
+    if fb.mode == ForwardMode.EXTEND and not fb.return_all_logits:
+        return _extend_rows(fb, device)
+    return None
+
+
+def logits_in_float32(fb: ForwardBatch) -> bool:
+    """Prompt logprobs' many rows stay in the model's dtype (the caller upcasts the few it
+    samples from)."""
+    part = fb.extend_part if fb.mode == ForwardMode.MIXED else fb
+    return fb.return_all_logits or fb.mode == ForwardMode.DECODE or part.logit_rows is None
+
+
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup(), dtype: Optional[torch.dtype] = None):
+    def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup(), dtype: Optional[torch.dtype] = None,
+                 stage: Optional[StageLayers] = None):
         super().__init__()
         self.config, self.tp = config, tp
-        self.model = DecoderModel(config, tp, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
-        if config.tie_word_embeddings:
+        self.model = DecoderModel(config, tp, dtype, stage)
+        self.stage = self.model.stage
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype) if self.stage.last else None
+        if config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
 
     @torch.no_grad()
@@ -168,15 +217,14 @@ class CausalLM(nn.Module):
         """float32 logits ``[B, vocab]`` (last new token per sequence) or ``[T, vocab]``;
         with ``fb.logit_rows`` (prompt logprobs: many rows) those rows in the model's dtype,
         and the caller upcasts the few it samples from. ``halves``: see DecoderModel."""
-        h = self.model(fb, halves)
+        return self.select_logits(fb, self.model(fb, halves), halves)
+
+    def select_logits(self, fb: ForwardBatch, h: torch.Tensor,
+                      halves: Optional["LayerHalves"] = None) -> torch.Tensor:
+        """The logits of the rows of the final hidden states ``h`` that need them."""
         head = CausalLM.logits if halves is None else halves.head
-        if fb.mode == ForwardMode.MIXED and not fb.return_all_logits:
-            ext, d = fb.extend_part, fb.decode_part.batch_size  # every decode row, then extend's
-            rows = torch.cat([torch.arange(d, device=h.device), d + _extend_rows(ext, h.device)])
-            return head(self, h[rows], ext.logit_rows is None)
-        if fb.mode == ForwardMode.EXTEND and not fb.return_all_logits:
-            return head(self, h[_extend_rows(fb, h.device)], fb.logit_rows is None)
-        return head(self, h, True)
+        rows = logit_row_index(fb, h.device)
+        return head(self, h if rows is None else h[rows], logits_in_float32(fb))
 
     def logits(self, h: torch.Tensor, float32: bool) -> torch.Tensor:
         """Final norm and LM head over the rows of ``h`` that need logits."""
@@ -193,6 +241,8 @@ class CausalLM(nn.Module):
                 continue  # the same Parameter as embed_tokens
             if self.config.layers_truncated and _layer_index(name) >= self.config.num_hidden_layers:
                 continue  # a layer cut off by --json-model-override-args
+            if not self._holds(name):
+                continue  # another pipeline stage's weight
             shard_id = None
             for fused, hf_part, sid in _STACKED:
                 if f".{hf_part}." in name:
@@ -212,6 +262,17 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"Checkpoint is missing weights for: {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}")
+
+    def _holds(self, name: str) -> bool:
+        """Whether this stage has the parameter a checkpoint tensor goes to."""
+        stage, layer = self.stage, _layer_index(name)
+        if layer >= 0:
+            return stage.start <= layer < stage.end
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return stage.last
+        return True
 
     def _pad_heads(self, name: str, shard_id, tensor: torch.Tensor) -> torch.Tensor:
         """Append zero heads to q/k/v rows and o_proj columns (see ModelConfig.padded_heads)."""

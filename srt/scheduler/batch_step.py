@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from distributed.pipeline import broadcast_sampled_ids
 from distributed.token_agreement import agree_on_sampled_ids
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt.forward_batch import ForwardBatch, ForwardMode
@@ -194,15 +195,38 @@ class BatchStepMixin(SpecStepMixin):
             info = self.running_info
             assert info is not None and len(info) == len(reqs), "sampling state out of step"
         lp_rows = logprob_rows(reqs, self.rank_info.is_entry_rank)
-        next_ids, logprobs = self.runner.sample(step.logits, info, lp_rows)
         step.has_grammar = any(g is not None for g in info.grammars)
-        if not self.tp.is_single and step.has_grammar:
-            next_ids = self._agree_on_tokens(next_ids)
+        if self.pipeline is not None:
+            next_ids, logprobs = self._sample_in_pipeline(step.logits, info, lp_rows, step.has_grammar)
+        else:
+            next_ids, logprobs = self.runner.sample(step.logits, info, lp_rows)
+            if not self.tp.is_single and step.has_grammar:
+                next_ids = self._agree_on_tokens(next_ids)
         self.step_stats.count_mask(info)
         info.cumulate_output_tokens(next_ids)
         record_output_logprobs(reqs, lp_rows, logprobs, next_ids)
         step.info, step.next_ids = info, next_ids
         step.tokens = [[t] for t in next_ids.tolist()]
+
+    def _sample_in_pipeline(self, logits: torch.Tensor, info: SamplingBatchInfo, lp_rows: list[int],
+                            has_grammar: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """--pp-size > 1: the last stage samples, and every rank takes the entry rank's ids
+        (one broadcast over the DP group, every step: every stage appends them). The other
+        stages fill the same grammar mask without applying it: a dead end found there
+        fails the row on every stage alike."""
+        if self.pipeline.is_last:
+            next_ids, logprobs = self.runner.sample(logits, info, lp_rows)
+        else:
+            info.update_regex_vocab_mask()
+            next_ids, logprobs = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device), None
+        next_ids, mismatches = broadcast_sampled_ids(next_ids, self.pipeline)
+        if has_grammar:
+            self.step_stats.count_agreement(mismatches)
+            self.batch_log.record_agreement(mismatches)
+        if mismatches:
+            logger.warning("%s %d sampled token(s) differed from the entry rank's",
+                           self.rank_info.log_prefix, mismatches)
+        return next_ids, logprobs
 
     def _agree_on_tokens(self, next_ids: torch.Tensor) -> torch.Tensor:
         """Same decision on every rank (identical batch): grammars must see one token."""

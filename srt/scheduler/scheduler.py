@@ -20,6 +20,7 @@ import torch
 from constrained.grammar_manager import GrammarManager, GrammarPolling
 from constrained.registry import create_grammar_backend
 from distributed.parallel_state import RankInfo, TPGroup
+from distributed.pipeline import PipelineGroup
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
 from srt.forward_batch import ForwardMode
@@ -45,14 +46,18 @@ Message = Union[TokenizedGenerateReq, AbortReq, FlushCacheReq]
 
 class Scheduler(BatchStepMixin):
     def __init__(self, server_args: ServerArgs, rank_info: RankInfo, tp: TPGroup,
-                 model_config: ModelConfig, tokenizer=None, batch_log: Optional[BatchLog] = None):
+                 model_config: ModelConfig, tokenizer=None, batch_log: Optional[BatchLog] = None,
+                 pipeline: Optional[PipelineGroup] = None):
         self.server_args = server_args
         self.rank_info = rank_info
-        self.tp = tp
+        self.tp = tp  # this stage's TP group: the layers' collectives, token agreement
+        # --pp-size > 1: the last stage samples; agreements span the DP group (ctrl).
+        self.pipeline = pipeline
+        self.ctrl = pipeline.ctrl if pipeline is not None else tp
         self.batch_log = batch_log or BatchLog(None)
         self.model_config = model_config
         self.tokenizer = tokenizer  # only for stop strings
-        self.runner = ModelRunner(server_args, model_config, rank_info, tp)
+        self.runner = ModelRunner(server_args, model_config, rank_info, tp, pipeline=pipeline)
         r = self.runner
         tree = None if server_args.disable_radix_cache else RadixCache(
             r.token_to_kv_pool_allocator.free, r.device)
@@ -78,7 +83,7 @@ class Scheduler(BatchStepMixin):
         self.mixed_chunk = server_args.enable_mixed_chunk
         backend = create_grammar_backend(server_args, tokenizer, self.vocab_size,
                                          tuple(model_config.eos_token_ids))
-        self.grammar_manager = GrammarManager(backend, tp, **self.grammar_manager_kwargs())
+        self.grammar_manager = GrammarManager(backend, self.ctrl, **self.grammar_manager_kwargs())
         # Decode steps fill their grammar bitmask on this thread while the forward runs.
         self.mask_executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         # Grammar fast-forward: forced tokens are appended without a decode step each and

@@ -26,6 +26,7 @@ from srt.server_args import ServerArgs
 
 if TYPE_CHECKING:  # imported at run time only inside the rank process (heavy)
     from distributed.parallel_state import TPGroup
+    from distributed.pipeline import PipelineGroup
     from srt.transport.request_receiver import OutputSender, RequestReceiver
     from srt.scheduler.scheduler import Scheduler
     from srt.scheduler.watchdog import Watchdog
@@ -81,6 +82,7 @@ class _JoinedWorld:
 
     server_args: ServerArgs  # with the world's shared random_seed
     tp: TPGroup
+    pipeline: Optional[PipelineGroup]  # --pp-size > 1: this rank's stage and its DP group
     world: Optional[Any]  # the gloo world group; None on a single-rank world
     port_args: PortArgs
     pool_dir: Optional[str]  # the node's compile pool directory (None: no pool)
@@ -103,7 +105,8 @@ class _StartedRank:
 # an import error fails the rank before its process groups exist, with nothing yet to
 # report it on. The helpers below import what they use again (a lookup by then).
 _RANK_MODULES = (
-    "torch", "distributed.broadcast", "distributed.node_share", "distributed.process_groups",
+    "torch", "distributed.broadcast", "distributed.node_share", "distributed.pipeline",
+    "distributed.process_groups",
     "srt.grammar_pool.node_pool", "srt.scheduler.batch_log", "srt.transport.cluster_address",
     "srt.transport.request_receiver", "srt.transport.zmq_transport", "srt.scheduler.scheduler",
     "srt.scheduler.watchdog", "srt.model_config",
@@ -175,6 +178,7 @@ def _join_world(launch: RankLaunch) -> _JoinedWorld:
     directory from the ranks that decide them."""
     from distributed.broadcast import broadcast_pyobj
     from distributed.node_share import share_from_node_leader
+    from distributed.pipeline import init_pipeline_group
     from distributed.process_groups import init_process_groups
     from srt.grammar_pool.node_pool import make_pool_dir
     from srt.transport.zmq_transport import transport_for
@@ -182,6 +186,7 @@ def _join_world(launch: RankLaunch) -> _JoinedWorld:
     rank_info, server_args = launch.rank_info, launch.server_args
     _configure_torch(server_args, rank_info)
     tp, world = init_process_groups(rank_info, launch.dist)
+    pipeline = init_pipeline_group(rank_info, launch.dist.timeout_s, launch.dist.device_backend)
     port_args, seed = launch.port_args, server_args.random_seed
     if world is not None:  # world rank 0 decides; everyone must use the same values
         port_args, seed = broadcast_pyobj((port_args, seed), rank_info.world_rank == 0, 0, world)
@@ -190,7 +195,7 @@ def _join_world(launch: RankLaunch) -> _JoinedWorld:
     # the world takes part in handing out its path (one collective, whatever the flags).
     pool_dir = share_from_node_leader(rank_info, world, make_pool_dir(server_args, rank_info))
     transport = transport_for(port_args, server_args.cluster_secret_file, rank_info.name)
-    return _JoinedWorld(server_args, tp, world, port_args, pool_dir, transport)
+    return _JoinedWorld(server_args, tp, pipeline, world, port_args, pool_dir, transport)
 
 
 def _build_scheduler(launch: RankLaunch, joined: _JoinedWorld) -> _StartedRank:
@@ -212,12 +217,13 @@ def _build_scheduler(launch: RankLaunch, joined: _JoinedWorld) -> _StartedRank:
                                    model_config.vocab_size, tuple(model_config.eos_token_ids))
     tokenizer = get_tokenizer(server_args.tokenizer_path or server_args.model_path)
     batch_log = BatchLog.from_env(rank_info)
-    scheduler = Scheduler(server_args, rank_info, joined.tp, model_config, tokenizer, batch_log)
+    scheduler = Scheduler(server_args, rank_info, joined.tp, model_config, tokenizer, batch_log,
+                          joined.pipeline)
     if grammar_pool is not None:
         grammar_pool.attach(scheduler.grammar_manager.backend, rank_info.log_prefix)
     node_address = this_node_address(launch.dist.init_method) if port_args.is_tcp else None
     receiver = RequestReceiver(joined.transport, port_args.scheduler_input_ipcs[rank_info.dp_rank],
-                               rank_info, joined.tp, node_address, model_config.vocab_size)
+                               rank_info, scheduler.ctrl, node_address, model_config.vocab_size)
     sender = OutputSender(joined.transport, port_args.frontend_input_ipc, rank_info)
     runner = scheduler.runner
     info = SchedulerInfo(

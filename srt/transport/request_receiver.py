@@ -27,7 +27,8 @@ class RequestReceiver:
 
     def __init__(self, transport: ZmqTransport, endpoint: str, rank_info: RankInfo, tp: TPGroup,
                  node_address: Optional[str] = None, vocab_size: Optional[int] = None):
-        """``node_address``: this node's cluster address, where a TCP request socket binds.
+        """``tp``: the group that shares this rank's requests (the TP group; with pipeline
+        stages the whole DP group). ``node_address``: this node's cluster address, where a TCP request socket binds.
         ``vocab_size``: requests are re-validated against it (the frontend already did;
         this keeps a bad message from any peer out of the scheduler)."""
         self.rank_info = rank_info
@@ -42,8 +43,8 @@ class RequestReceiver:
                     raise RuntimeError("cannot tell this node's cluster address: set GRAMSYNC_HOST_IP")
                 endpoint = f"tcp://{node_address}:0"
             self.sock, self.address = transport.bind(zmq.PULL, endpoint)
-        # The first rank of the group is the broadcast source (world rank numbering).
-        self.src_world_rank = rank_info.world_rank - rank_info.tp_rank
+        # The entry rank is the broadcast source (world rank numbering).
+        self.src_world_rank = rank_info.entry_world_rank
         self.idle_wait_ms = int(environ.GRAMSYNC_SCHEDULER_IDLE_WAIT.get() * 1000)
         self.batch_wait_s = environ.GRAMSYNC_SCHEDULER_BATCH_WAIT.get()
 

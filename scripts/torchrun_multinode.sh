@@ -8,7 +8,8 @@
 # Every torchrun worker is one scheduler rank; global rank 0 also runs the HTTP frontend.
 # Set RDZV_ENDPOINT=host:port instead of NODE_RANK to use torchrun's c10d rendezvous (node
 # ranks are then assigned by torchrun). The flags after the script name go to launch.py;
-# --tp-size x --dp-size must equal NNODES x NPROC_PER_NODE. torchrun stops every worker
+# --tp-size x --pp-size x --dp-size must equal NNODES x NPROC_PER_NODE (with --pp-size N
+# over N nodes, each node is one pipeline stage). torchrun stops every worker
 # of every node when one fails (--max-restarts 0), so the server never half-runs.
 #
 # Every node needs the same cluster secret (docs/security.md): export

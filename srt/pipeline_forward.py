@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 from distributed.pipeline import PipelineGroup, recv_activation, send_activation
@@ -84,6 +87,19 @@ def _token_range(fb: ForwardBatch, t0: int, t1: int) -> ForwardBatch:
         lens, new, prefix, fb.req_to_token_pool, fb.token_to_kv_pool)
 
 
+@dataclass
+class StageTimes:
+    """Where this stage's forward time went, summed over steps (benchmark/bench_pipeline.py
+    prints them): running its layers, waiting for the previous stage's activations (the
+    bubble, and any imbalance between stages), and waiting for its sends to complete."""
+
+    steps: int = 0
+    micro_batches: int = 0
+    compute_s: float = 0.0
+    recv_wait_s: float = 0.0
+    send_wait_s: float = 0.0
+
+
 class PipelineForward:
     """This stage's part of every forward (``ModelRunner.forward`` at --pp-size > 1)."""
 
@@ -93,6 +109,7 @@ class PipelineForward:
         self.dtype, self.device = dtype, device
         self.hidden_size = model.config.hidden_size
         self.max_micro_batch_size = max_micro_batch_size
+        self.times = StageTimes()
 
     @torch.inference_mode()
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
@@ -101,20 +118,29 @@ class PipelineForward:
         for part in parts:
             prepare_attention(self.attn_backend, part)
         finals, sends = [], []
+        times, clock = self.times, time.perf_counter
         for part in parts:
+            t0 = clock()
             if pp.is_first:
                 h, residual = decoder.embed_tokens(part.input_ids), None
             else:
                 shape = (2, part.input_ids.shape[0], self.hidden_size)
                 h, residual = recv_activation(shape, self.dtype, self.device, pp).unbind(0)
+            t1 = clock()
             h, residual = decoder.run_layers(part, h, residual)
+            times.recv_wait_s += t1 - t0
+            times.compute_s += clock() - t1
             if pp.is_last:
                 finals.append(h + residual)
             else:  # the next stage starts on it while this one runs the next micro-batch
                 out = torch.stack([h, residual])
                 sends.append((send_activation(out, pp), out))
+        t0 = clock()
         for work, _ in sends:
             work.wait()
+        times.send_wait_s += clock() - t0
+        times.steps += 1
+        times.micro_batches += len(parts)
         if not pp.is_last:
             rows = logit_row_index(fb, self.device)
             return torch.empty((fb.input_ids.shape[0] if rows is None else rows.numel(), 0),

@@ -1,12 +1,15 @@
-"""TP=2 through the real server: ranks whose grammar compiles finish at different times
-(tests/rank_skew_grammar_plugin.py) never disagree on what to run.
+"""Multi-rank through the real server: ranks whose grammar compiles finish at different
+times (tests/rank_skew_grammar_plugin.py) never disagree on what to run. Two layouts of two
+ranks each: ``--tp-size 2`` (world rank 1 is TP rank 1) and ``--pp-size 2`` (world rank 1 is
+pipeline stage 1, the last: it samples and talks to the frontend; grammar agreement spans
+both stages).
 
 Every rank writes the batches it runs (GRAMSYNC_BATCH_LOG_DIR); the two ranks' logs must
 be identical line for line, whatever the compile skew, a compile that fails on one rank
 only, or a compile that exceeds the poll budget on one rank only.
 
-One module-scoped TP=2 server serves all tests (~10-25 s to start on 2 cores; the whole
-file ~35-55 s).
+One module-scoped server per layout serves all tests (~10-30 s to start on 2 cores; the
+whole file ~35-55 s per layout).
 """
 from __future__ import annotations
 
@@ -35,21 +38,28 @@ PROMPTS = ["Write a number:", "Answer yes or no. Is the sky blue?", "Name a colo
            "Say something short.", "Give me a word:", "The capital of France is"]
 
 
-@pytest.fixture(scope="module")
-def skew_server(tmp_path_factory, smollm2_dir):
+# world rank 1 skews more (and FAILONRANK1 / HANGONRANK1 act there): TP rank 1, or stage 1.
+LAYOUTS = {"tp2": (["--tp-size", "2"], ("DP0_TP0", "DP0_TP1")),
+           "pp2": (["--pp-size", "2"], ("DP0_PP0_TP0", "DP0_PP1_TP0"))}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def skew_server(request, tmp_path_factory, smollm2_dir):
+    """(client, batch-log dir, rankskew log dir, the two ranks' names: world rank 0, 1)."""
+    flags, ranks = LAYOUTS[request.param]
     logs = tmp_path_factory.mktemp("batch_logs")
     skew_logs = tmp_path_factory.mktemp("skew_logs")
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")])),
            "GRAMSYNC_BATCH_LOG_DIR": str(logs), "RANKSKEW_LOG_DIR": str(skew_logs),
            "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS": str(MAX_POLLS)}
-    args = ["--tp-size", "2", "--grammar-backend-plugins", "rank_skew_grammar_plugin",
+    args = [*flags, "--grammar-backend-plugins", "rank_skew_grammar_plugin",
             "--grammar-backend", "rankskew",
             "--constrained-json-max-whitespace", "2",  # JSON outputs end within max_new_tokens
             "--enable-mixed-chunk"]  # arrivals prefill beside the running requests' decode rows
     for base in _launch_server(tmp_path_factory, smollm2_dir, args, env):
         with httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT_S,
                           limits=httpx.Limits(max_connections=32)) as client:
-            yield client, logs, skew_logs
+            yield client, logs, skew_logs, ranks
 
 
 # ---- helpers ---------------------------------------------------------------------------
@@ -93,21 +103,24 @@ def _read_log(path) -> list[str]:
         return []
 
 
-def _identical_batch_logs(log_dir, timeout: float = 15.0) -> list[tuple[int, str, list[str]]]:
-    """Both ranks' batch logs, asserted identical and non-empty: [(step, mode, rids)].
-    Waits briefly: a rank may still be writing its last line when the response arrives."""
+def _identical_batch_logs(log_dir, timeout: float = 15.0, ranks=("DP0_TP0", "DP0_TP1")
+                          ) -> list[tuple[int, str, list[str]]]:
+    """The batch logs of ``ranks`` (names, e.g. DP0_PP1_TP0), asserted identical and
+    non-empty: [(step, mode, rids)]. Waits briefly: a rank may still be writing its last
+    line when the response arrives."""
     deadline = time.monotonic() + timeout
     while True:
-        a = _read_log(log_dir / "batches_DP0_TP0.log")
-        b = _read_log(log_dir / "batches_DP0_TP1.log")
-        if (a == b and a) or time.monotonic() > deadline:
+        logs = [_read_log(log_dir / f"batches_{rank}.log") for rank in ranks]
+        a = logs[0]
+        if (a and all(other == a for other in logs[1:])) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert a, "rank 0 wrote no batches"
-    if a != b:
-        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        pytest.fail(f"batch logs differ at line {i} (TP0 {len(a)} lines, TP1 {len(b)} lines):\n"
-                    f"TP0: {a[i - 2:i + 3]}\nTP1: {b[i - 2:i + 3]}")
+    assert a, f"{ranks[0]} wrote no batches"
+    for rank, b in zip(ranks[1:], logs[1:]):
+        if a != b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            pytest.fail(f"batch logs differ at line {i} ({ranks[0]} {len(a)} lines, {rank} {len(b)} lines):\n"
+                        f"{ranks[0]}: {a[i - 2:i + 3]}\n{rank}: {b[i - 2:i + 3]}")
     batches = []
     for line in a:
         step, mode, rids = line.split(" ", 2)
@@ -124,10 +137,11 @@ def _identical_batch_logs(log_dir, timeout: float = 15.0) -> list[tuple[int, str
     return batches
 
 
-def _agreement_steps(log_dir) -> int:
-    """Batches whose sampled ids went through the TP token agreement (all with 0 mismatches,
-    checked by _identical_batch_logs)."""
-    return sum(1 for line in _read_log(log_dir / "batches_DP0_TP0.log") if " AGREE " in line)
+def _agreement_steps(log_dir, rank: str) -> int:
+    """Batches whose sampled ids went through the token agreement (TP: the MIN all-reduce;
+    PP: the last stage's ids broadcast), all with 0 mismatches (checked by
+    _identical_batch_logs)."""
+    return sum(1 for line in _read_log(log_dir / f"batches_{rank}.log") if " AGREE " in line)
 
 
 def _logged_rids(batches) -> set[str]:
@@ -211,7 +225,7 @@ def test_lock_step_under_compile_skew(skew_server):
     """56 mixed requests, 12 in flight, while rank 1 compiles every grammar 0-300 ms later
     than rank 0 (and two grammars 1 s later on rank 0): all complete with valid outputs and
     both ranks run exactly the same batches."""
-    client, logs, skew_logs = skew_server
+    client, logs, skew_logs, ranks = skew_server
     skew_lines = [len(_read_log(skew_logs / f"rankskew_rank{r}.log")) for r in (0, 1)]
     reqs = _mixed_requests(56)
     slow0 = [f"(SLOWRANK0x{i}{uuid.uuid4().hex[:4]}|[0-9]{{2}})" for i in (0, 1)]
@@ -224,10 +238,10 @@ def test_lock_step_under_compile_skew(skew_server):
         _check_output(out, check)
     _assert_settled(client)
 
-    batches = _identical_batch_logs(logs)
-    # Seeded and greedy sampling already agree across ranks: the MIN all-reduce ran and
-    # no rank's own sample differed (measured here, over every constrained step).
-    agreed = _agreement_steps(logs)
+    batches = _identical_batch_logs(logs, ranks=ranks)
+    # Seeded and greedy sampling already agree across ranks: the agreement ran and no
+    # rank's own sample differed (measured here, over every constrained step).
+    agreed = _agreement_steps(logs, ranks[0])
     print(f"token agreement ran on {agreed} of {len(batches)} batches, 0 mismatches")
     assert agreed > 0
     logged = _logged_rids(batches)
@@ -243,7 +257,7 @@ def test_lock_step_under_compile_skew(skew_server):
 
     # Grammar fast-forward (on by default) forced tokens, identically on both ranks (the
     # FORCED lines are part of the identical logs), and the responses say how many.
-    forced = [ln for ln in _read_log(logs / "batches_DP0_TP0.log") if " FORCED " in ln]
+    forced = [ln for ln in _read_log(logs / f"batches_{ranks[0]}.log") if " FORCED " in ln]
     reported = sum(out["meta_info"]["fast_forward_tokens"] for _, out in results)
     assert forced and reported > 0, (len(forced), reported)
 
@@ -273,7 +287,7 @@ def test_compile_fails_on_one_rank_only(skew_server):
     request is a 400 with rank 1's reason, never batched on either rank, concurrent
     requests complete, and the agreed failure is cached on both ranks (a resend is the
     same 400)."""
-    client, logs, _ = skew_server
+    client, logs, _, ranks = skew_server
     nonce = uuid.uuid4().hex[:6]
     failing = [  # (rid, kind, spec, stream)
         (_rid("t2-fail-regex"), "regex", f"(FAILONRANK1|[a-z]{{3}}|f{nonce})", False),
@@ -311,7 +325,7 @@ def test_compile_fails_on_one_rank_only(skew_server):
         assert_failed(body, kind, status, out)
     _assert_settled(client)
 
-    logged = _logged_rids(_identical_batch_logs(logs))
+    logged = _logged_rids(_identical_batch_logs(logs, ranks=ranks))
     assert not {b["rid"] for b in bodies + again} & logged, "a failed request was batched"
     assert {b["rid"] for b, _, _ in normal} <= logged
 
@@ -323,7 +337,7 @@ def test_compile_exceeds_poll_budget_on_one_rank_only(skew_server):
     the client abandons meanwhile is aborted on both ranks, other requests complete,
     nothing hangs. The timeout is not cached: once rank 1 can compile the spec,
     it is served."""
-    client, logs, _ = skew_server
+    client, logs, _, ranks = skew_server
     hang_regex = f"(HANGONRANK1|[0-9]{{3}}|h{uuid.uuid4().hex[:6]})"
     hangs = [_regex_body(_rid("t3-hang"), hang_regex), _regex_body(_rid("t3-hang-dup"), hang_regex)]
     normal = _mixed_requests(8, start=200, tag="t3")
@@ -360,6 +374,6 @@ def test_compile_exceeds_poll_budget_on_one_rank_only(skew_server):
     _assert_settled(client)
     assert client.get("/get_server_info").json()["num_aborted_requests"] == aborted_before + 1
 
-    logged = _logged_rids(_identical_batch_logs(logs))
+    logged = _logged_rids(_identical_batch_logs(logs, ranks=ranks))
     assert not {b["rid"] for b in hangs + [abandoned]} & logged, "a timed-out or aborted request was batched"
     assert {b["rid"] for b, _, _ in normal} | {retry["rid"]} <= logged

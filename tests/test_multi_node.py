@@ -5,7 +5,9 @@ and the nodes talk only over TCP (torch.distributed rendezvous and collectives, 
   "nodes" with one DP group each; node 1's entry rank is reached over TCP. Killing node 0
   makes node 1 exit non-zero within seconds (peer liveness), with no process left.
 - torchrun: ``--nnodes 2 --node-rank K --nproc-per-node 1`` with one TP=2 group spanning
-  both "nodes"; a constrained request is served end to end.
+  both "nodes", or one pipeline of two stages (``--pp-size 2``: each node a stage, the
+  entry rank -- the last stage's -- on node 1, reached over TCP); a constrained request is
+  served end to end.
 """
 from __future__ import annotations
 
@@ -78,14 +80,18 @@ def test_two_nodes_without_torchrun(tmp_path, smollm2_dir):
 
 
 @pytest.mark.timeout(240)
-def test_torchrun_two_nodes_one_tp_group(tmp_path, smollm2_dir):
+@pytest.mark.parametrize("layout, ranks", [
+    (("--tp-size", "2"), ["DP0_TP0", "DP0_TP1"]),
+    (("--pp-size", "2"), ["DP0_PP0_TP0", "DP0_PP1_TP0"]),
+], ids=["tp2", "pp2"])
+def test_torchrun_two_nodes_one_group(tmp_path, smollm2_dir, layout, ranks):
     http_port, master_port = _free_port(), _free_port()
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     nodes = []
     for k in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k),
                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master_port),
-               "--max-restarts", "0", *_launch_cmd(smollm2_dir, http_port, "--tp-size", "2")[1:]]
+               "--max-restarts", "0", *_launch_cmd(smollm2_dir, http_port, *layout)[1:]]
         nodes.append(_popen(cmd, logs[k], CLUSTER_ENV))
     base = f"http://127.0.0.1:{http_port}"
     group: list[psutil.Process] = []
@@ -96,7 +102,7 @@ def test_torchrun_two_nodes_one_tp_group(tmp_path, smollm2_dir):
         titles = sorted(t for t in every if "grammar_compile" not in t)
         # One grammar compile pool per node (each node's ranks share theirs).
         assert titles == ["gramsync::frontend", "gramsync::grammar_pool_node0", "gramsync::grammar_pool_node1",
-                          "gramsync::scheduler_DP0_TP0", "gramsync::scheduler_DP0_TP1"], titles
+                          *(f"gramsync::scheduler_{r}" for r in ranks)], titles
         def workers_up() -> bool:  # forked once the pool has built its backend
             titles = [" ".join(p.cmdline()) for n in nodes for p in _descendants(n)]
             return all(any(t.startswith(f"gramsync::grammar_compile_node{k}_") for t in titles) for k in (0, 1))

@@ -5,7 +5,8 @@
 - ``--dp-size 2``: requests spread over both DP groups, greedy ids equal to TP=1, and an
   abort (client disconnect) reaching the group that runs the request;
 - ``torchrun --nproc-per-node 2 launch.py --tp-size 2``: a constrained request, a clean stop;
-- failures naming the rank: a SIGKILLed rank takes the server down, a rank failing at
+- failures naming the rank: a SIGKILLed rank (TP=2, or either stage at ``--pp-size 2``)
+  takes the server down with nothing left behind, a rank failing at
   start-up (``tests/fail_on_rank_plugin.py``) is named with its traceback, and bad
   parallel layouts are rejected by ``ServerArgs``;
 - cheap unit tests of ``DPDispatcher`` and ``torchrun_server_args``.
@@ -556,18 +557,25 @@ def test_the_rank_that_failed_first_is_named(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_killed_rank_stops_the_server(tmp_path, smollm2_dir):
+@pytest.mark.parametrize("layout, victim_rank", [
+    (["--tp-size", "2"], "DP0_TP1"),
+    # Pipeline stages: the first stage (not the entry rank: no socket to the frontend) and
+    # the last (the entry rank, which samples for every stage).
+    (["--pp-size", "2"], "DP0_PP0_TP0"),
+    (["--pp-size", "2"], "DP0_PP1_TP0"),
+], ids=["tp2", "pp2-first-stage", "pp2-last-stage"])
+def test_killed_rank_stops_the_server(tmp_path, smollm2_dir, layout, victim_rank):
     watchdog_timeout = 20
     port = _free_port()
     log_path = tmp_path / "server.log"
-    proc = _popen(_launch_cmd(smollm2_dir, port, "--tp-size", "2",
+    proc = _popen(_launch_cmd(smollm2_dir, port, *layout,
                               "--watchdog-timeout", str(watchdog_timeout)), log_path)
     base = f"http://127.0.0.1:{port}"
     group: list[psutil.Process] = []
     try:
         _wait_healthy(proc, base, log_path)
         group = [psutil.Process(proc.pid), *_descendants(proc)]
-        victim = [p for p in group if _title(p) == "gramsync::scheduler_DP0_TP1"]
+        victim = [p for p in group if _title(p) == f"gramsync::scheduler_{victim_rank}"]
         assert len(victim) == 1, [_title(p) for p in group]
         assert _generate(base, "Hi", max_new_tokens=2, temperature=0)["meta_info"][
             "completion_tokens"] == 2
@@ -582,11 +590,11 @@ def test_killed_rank_stops_the_server(tmp_path, smollm2_dir):
         try:
             code = proc.wait(watchdog_timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"server still running {watchdog_timeout} s after DP0_TP1 was killed:\n"
+            pytest.fail(f"server still running {watchdog_timeout} s after {victim_rank} was killed:\n"
                         f"{_tail(log_path)}")
         elapsed = time.monotonic() - t0
         log = _tail(log_path, 20000)
-        dead = f"scheduler rank DP0_TP1 (pid {victim[0].pid}) exited with code -9"
+        dead = f"scheduler rank {victim_rank} (pid {victim[0].pid}) exited with code -9"
         assert code != 0, log
         assert elapsed < watchdog_timeout
         assert dead in log, log

@@ -14,13 +14,12 @@
 A killed rank of either stage is in test_multi_rank_server.py, rank skew and a grammar
 failing on one stage in test_grammar_agreement_ranks.py, the running timeout in
 test_multi_rank_timeouts.py. The machine may have 2 cores: one module-scoped server per
-layout, short greedy requests.
+layout (~20 s and ~35 s to start on 2 cores), short greedy requests (~30 s per layout).
 """
 from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -57,14 +56,28 @@ def pp_server(request, tmp_path_factory, smollm2_dir):
         yield SimpleNamespace(base=base, log_dir=log_dir, ranks=ranks)
 
 
-def _rid(tag: str) -> str:
-    return f"{tag}-{uuid.uuid4().hex[:8]}"
-
-
-def _chat_ids(engine, messages) -> list[int]:
+@pytest.fixture(scope="module")
+def tp1(fp32_engine):
+    """``tp1(prompt, return_logprob=False, **sampling_params)``: the TP=1 float32 output (the
+    session's Engine) of a prompt, or of chat messages through the chat template as the
+    server's chat route renders them; each computed once for both layouts."""
     from srt.tokenizer_utils import apply_chat_template
 
-    return apply_chat_template(engine.tokenizer, messages)  # what the server's chat route sends
+    cache: dict[str, dict] = {}
+
+    def generate(prompt, return_logprob: bool = False, **params):
+        key = json.dumps([prompt, return_logprob, params], sort_keys=True)
+        if key not in cache:
+            if isinstance(prompt[0], dict):
+                prompt = apply_chat_template(fp32_engine.tokenizer, prompt)
+            cache[key] = fp32_engine.generate(prompt, params, return_logprob=return_logprob)
+        return cache[key]
+
+    return generate
+
+
+def _rid(tag: str) -> str:
+    return f"{tag}-{uuid.uuid4().hex[:8]}"
 
 
 def _entry_log(s) -> list[str]:
@@ -92,10 +105,10 @@ def test_concurrent_generate_equals_tp1(pp_server, tp1_ids):
 
 
 @pytest.mark.timeout(120)
-def test_json_schema_with_fast_forward_equals_tp1(pp_server, fp32_engine):
+def test_json_schema_with_fast_forward_equals_tp1(pp_server, tp1):
     prompt, params = "Describe Alice, who is 30, as JSON:", {
         "json_schema": json.dumps(PERSON_SCHEMA), "max_new_tokens": 64, "temperature": 0}
-    want = fp32_engine.generate(prompt, dict(params))
+    want = tp1(prompt, **params)
     rid = _rid("pp-json")
     got = _generate(pp_server.base, prompt, rid=rid, **params)
     assert got["meta_info"]["finish_reason"]["type"] == "stop", got
@@ -106,13 +119,12 @@ def test_json_schema_with_fast_forward_equals_tp1(pp_server, fp32_engine):
 
 
 @pytest.mark.timeout(120)
-def test_openai_chat_n2_json_and_stream_equal_tp1(pp_server, fp32_engine):
+def test_openai_chat_n2_json_and_stream_equal_tp1(pp_server, tp1):
     from srt.entrypoints.openai_protocol import response_format_constraint
 
     client = _client(pp_server.base)
-    kind, spec = response_format_constraint(RESPONSE_FORMAT)
-    want = fp32_engine.generate(_chat_ids(fp32_engine, CHAT),
-                                {kind: spec, "n": 2, "max_new_tokens": 64, "temperature": 0})
+    kind, spec = response_format_constraint(RESPONSE_FORMAT)  # as the chat route maps it
+    want = tp1(CHAT, **{kind: spec, "n": 2, "max_new_tokens": 64, "temperature": 0})
     r = client.chat.completions.create(model="smollm2", messages=CHAT, n=2, max_tokens=64, temperature=0,
                                        response_format=RESPONSE_FORMAT)
     assert [c.message.content for c in r.choices] == [w["text"] for w in want]
@@ -120,17 +132,17 @@ def test_openai_chat_n2_json_and_stream_equal_tp1(pp_server, fp32_engine):
     jsonschema.validate(json.loads(r.choices[0].message.content), PERSON_SCHEMA)
 
     hello = [{"role": "user", "content": "Say hello in one sentence."}]
-    want = fp32_engine.generate(_chat_ids(fp32_engine, hello), {"max_new_tokens": 16, "temperature": 0})
+    want = tp1(hello, max_new_tokens=16, temperature=0)
     text = "".join(ev.choices[0].delta.content or "" for ev in client.chat.completions.create(
         model="smollm2", messages=hello, max_tokens=16, temperature=0, stream=True) if ev.choices)
     assert text == want["text"]
 
 
 @pytest.mark.timeout(120)
-def test_completions_logprobs_equal_tp1(pp_server, fp32_engine):
+def test_completions_logprobs_equal_tp1(pp_server, tp1):
     """Logprobs come from the last stage's logits (the entry rank holds them)."""
     prompt = "The capital of France is"
-    want = fp32_engine.generate(prompt, {"max_new_tokens": 8, "temperature": 0}, return_logprob=True)
+    want = tp1(prompt, return_logprob=True, max_new_tokens=8, temperature=0)
     r = _client(pp_server.base).completions.create(model="smollm2", prompt=prompt, max_tokens=8,
                                                    temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
@@ -141,12 +153,12 @@ def test_completions_logprobs_equal_tp1(pp_server, fp32_engine):
 
 
 @pytest.mark.timeout(180)
-def test_long_prompt_chunked_then_cached_equals_tp1(pp_server, fp32_engine):
+def test_long_prompt_chunked_then_cached_equals_tp1(pp_server, tp1):
     """A prompt over the chunk size, arriving while another request decodes: prefilled in
     chunks (each cut into micro-batches, the second part of a cut a continuation); then the
     same prompt again, from the radix cache. Both equal TP=1."""
     params = {"max_new_tokens": 8, "temperature": 0}
-    want = fp32_engine.generate(LONG, dict(params))
+    want = tp1(LONG, **params)
     assert want["meta_info"]["prompt_tokens"] > 300
     busy, first_token = _rid("pp-busy"), threading.Event()
 
@@ -174,8 +186,9 @@ def test_long_prompt_chunked_then_cached_equals_tp1(pp_server, fp32_engine):
 
 @pytest.mark.timeout(120)
 def test_abort_mid_generation_keeps_serving(pp_server):
+    """An administrator's abort reaches every stage in the same step (the request broadcast
+    spans the DP group): the request stops, the server serves on."""
     base, rid = pp_server.base, _rid("pp-abort")
-    aborted_before = _server_info(base)["num_aborted_requests"]
     body = {"text": "Write a very long essay about the sea.", "rid": rid,
             "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "temperature": 0}}
     with ThreadPoolExecutor(1) as pool:
@@ -185,10 +198,12 @@ def test_abort_mid_generation_keeps_serving(pp_server):
         assert r.status_code == 200 and r.json() == {"aborted": [rid]}, r.text
         res = fut.result()
     assert res.status_code == 499 and "aborted by an administrator" in res.json()["error"]["message"], res.text
-    _wait_until(lambda: (_server_info(base)["num_aborted_requests"] > aborted_before
-                         and _server_info(base)["num_inflight_requests"] == 0), 20, "the abort to settle")
-    assert _generate(base, "Hi", max_new_tokens=4, temperature=0)["meta_info"]["completion_tokens"] == 4
-    assert len(_batches_of(pp_server, rid)) < 500, "the abort did not stop the request"
+    _wait_until(lambda: _server_info(base)["num_inflight_requests"] == 0, 20, "the abort to settle")
+    ran = len(_batches_of(pp_server, rid))
+    after = _rid("pp-after-abort")
+    assert _generate(base, "Hi", rid=after, max_new_tokens=4, temperature=0)["meta_info"]["completion_tokens"] == 4
+    assert ran < 500 and len(_batches_of(pp_server, rid)) == ran, "the aborted request still ran"
+    assert _batches_of(pp_server, after)
 
 
 @pytest.mark.timeout(120)

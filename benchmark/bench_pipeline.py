@@ -426,7 +426,9 @@ def _agree_main(rank: int, cmds, out, tp_size: int, pp_size: int, port: int, arg
         try:
             ready, failed = gsync._differs(AGREE_QUEUE)(group.rank)
             word = torch.zeros(1, dtype=torch.int64)
-            fns = {"agreement": lambda: agree_on_grammar_status(ready, failed, group, queue_len=AGREE_QUEUE),
+            reused = torch.zeros(1, dtype=torch.int64)  # as the GrammarManager reuses its own
+            fns = {"agreement": lambda: agree_on_grammar_status(ready, failed, group, queue_len=AGREE_QUEUE,
+                                                                word=reused),
                    "bare": lambda: dist.all_reduce(word, op=dist.ReduceOp.BAND, group=group.cpu_group)}
             barrier = lambda: dist.barrier(group=group.cpu_group)  # noqa: E731
             res = {"size": group.size, "timed": gsync._rounds(fns, args, barrier)}

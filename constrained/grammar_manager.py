@@ -17,6 +17,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
+
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject, fresh_copy
 from constrained.schema_coverage import GrammarReport
 from constrained.grammar_config import DISABLED_MESSAGE
@@ -47,6 +49,7 @@ class GrammarManager:
         self.polling = polling
         self.log_prefix = log_prefix
         self.grammar_queue: list = []  # Reqs waiting for their compile, in arrival order
+        self._agree_word = torch.zeros(1, dtype=torch.int64)  # the agreement's reused buffer
         # Cumulative counters (--enable-metrics): the backend's, so compiles count there too.
         self.metrics: GrammarMetrics = getattr(backend, "metrics", None) or GrammarMetrics()
 
@@ -92,7 +95,8 @@ class GrammarManager:
             elif req.grammar_wait_ct >= max_polls:
                 failed[i] = TIMEOUT_MESSAGE.format(kind=req.grammar_key[0], polls=max_polls)
         start = time.perf_counter()
-        ready, failed = agree_on_grammar_status(ready, failed, self.tp, queue_len=len(self.grammar_queue))
+        ready, failed = agree_on_grammar_status(ready, failed, self.tp, queue_len=len(self.grammar_queue),
+                                                word=self._agree_word)
         if not self.tp.is_single:
             self.metrics.observe_agreement(time.perf_counter() - start)
         if not ready and not failed:

@@ -75,12 +75,16 @@ def _worker(info, tp: TPGroup, world, cases) -> list:
             return _real(*a, **k)
 
         setattr(dist, name, counted)
+    import torch
+
+    word = torch.zeros(1, dtype=torch.int64)  # the GrammarManager's reused one-word buffer
     out = []
     for kind, n, seed, queue_len in cases:
         ready, failed = _inputs(kind, n, info.tp_rank, seed)
         before = dict(calls)
         got = agree_on_grammar_status(ready, failed, tp, queue_len=queue_len)
-        out.append((got, {k: calls[k] - before[k] for k in calls}))
+        counts = {k: calls[k] - before[k] for k in calls}
+        out.append((got, counts, agree_on_grammar_status(ready, failed, tp, queue_len=queue_len, word=word)))
     return out
 
 
@@ -93,8 +97,9 @@ def test_bitmap_agreement_matches_intersection_union_on_every_rank():
         expected = _oracle(per_rank)
         where = f"{kind} n={n} seed={seed} queue_len={queue_len}"
         for r in range(TP):
-            got, calls = results[r][c]
+            got, calls, got_in_word = results[r][c]
             assert got == expected, f"{where}: rank {r} got {got}, expected {expected}"
+            assert got_in_word == expected, f"{where}: rank {r} through the reused word: {got_in_word}"
             any_failed = any(f for _, f in per_rank)
             fits = queue_len is not None or all(i < 63 for rd, _ in per_rank for i in rd)
             # One all_reduce always; the message exchange only after a failure (or an

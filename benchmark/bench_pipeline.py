@@ -173,6 +173,7 @@ def _build_scheduler(rank: int, pp_size: int, port: int, args, compiled: bool):
         info, tp, pipeline = RankInfo(), SINGLE_RANK, None
     path = resolve_model_path(None)
     sargs = ServerArgs(model_path=path, random_seed=0, dtype=args.dtype, pp_size=pp_size,
+                       pp_layer_partition=args.pp_layer_partition if pp_size > 1 else None,
                        grammar_backend="none", max_running_requests=args.requests,
                        max_total_tokens=args.requests * (128 + args.new_tokens) + 512,
                        disable_torch_compile=not compiled, wait_for_torch_compile=compiled)
@@ -318,7 +319,8 @@ def bench_throughput(args, cpus: int) -> None:
         ready = {g.name: g.collect() for g in groups}  # every model loaded (and compiled)
         info = ready["tp1-eager"][0]
         print(f"dtype={info['dtype']} threads: tp1 {info['threads']}, pp2 "
-              f"{ready['pp2'][0]['threads']}/rank; load s: "
+              f"{ready['pp2'][0]['threads']}/rank; pp layers per stage "
+              f"{args.pp_layer_partition or 'even'}; load s: "
               + ", ".join(f"{n} {max(x['load_s'] for x in r.values()):.0f}" for n, r in ready.items()), flush=True)
 
         for v in variants:  # warm-up, off the clock: first touches of the KV pool, caches
@@ -483,6 +485,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has native bf16, else fp32")
     ap.add_argument("--mbs", type=int, nargs="*", default=[8],
                     help="--pp-max-micro-batch-size values also measured at PP=2 (none: skip)")
+    ap.add_argument("--pp-layer-partition", default=None,
+                    help="layers per stage for the PP variants (e.g. 19,11; default: even)")
     ap.add_argument("--compiled", action="store_true",
                     help="also TP=1 with its default compiled path (first run per --requests: minutes)")
     ap.add_argument("--iters", type=int, default=1000, help="timed agreement calls per variant and layout")

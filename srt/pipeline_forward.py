@@ -145,4 +145,7 @@ class PipelineForward:
             rows = logit_row_index(fb, self.device)
             return torch.empty((fb.input_ids.shape[0] if rows is None else rows.numel(), 0),
                                device=self.device)
-        return self.model.select_logits(fb, finals[0] if len(finals) == 1 else torch.cat(finals))
+        t0 = clock()
+        logits = self.model.select_logits(fb, finals[0] if len(finals) == 1 else torch.cat(finals))
+        times.compute_s += clock() - t0  # the final norm and the LM head
+        return logits

@@ -98,7 +98,7 @@ def test_timeouts_are_counted_once_per_request(monkeypatch):
 
 def test_agreement_time_is_observed_only_across_ranks(monkeypatch):
     backend = Regexes()
-    monkeypatch.setattr(gm_module, "agree_on_grammar_status", lambda ready, failed, tp, queue_len: (ready, failed))
+    monkeypatch.setattr(gm_module, "agree_on_grammar_status", lambda ready, failed, tp, queue_len, word=None: (ready, failed))
     for tp, expected in ((TPGroup(), 0), (TPGroup(0, 2), 1)):
         manager = _manager(backend, tp)
         manager.process_req_with_grammar(_req(f"r{tp.size}", ("regex", f"z{tp.size}")))

@@ -312,6 +312,27 @@ def _rank_main(rank: int, tp_size: int, port: int, args, out) -> None:
         out.put((rank, False, traceback.format_exc()))
 
 
+def collect_reports(out, procs, deadline: float, name: str, got: dict) -> dict:
+    """Fill ``got`` with one ``(rank, ok, payload)`` report per process from ``out`` by
+    ``deadline`` (time.monotonic()); a failed rank, a rank that died silently or the
+    deadline raise. Also used by bench_pipeline.py."""
+    while len(got) < len(procs):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{name}: only ranks {sorted(got)} answered before the deadline")
+        try:
+            rank, ok, payload = out.get(timeout=min(left, 1.0))
+        except queue_mod.Empty:
+            bad = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if bad:
+                raise RuntimeError(f"{name}: a rank exited with {bad} without reporting")
+            continue
+        if not ok:
+            raise RuntimeError(f"{name} rank {rank} failed:\n{payload}")
+        got[rank] = payload
+    return got
+
+
 def run_tp(tp_size: int, args) -> dict:
     """Spawn ``tp_size`` ranks; return {rank: results}. Kills every rank on error/deadline."""
     import torch.multiprocessing as tmp
@@ -325,22 +346,9 @@ def run_tp(tp_size: int, args) -> dict:
              for r in range(tp_size)]
     for p in procs:
         p.start()
-    results, deadline = {}, time.monotonic() + args.deadline
+    results: dict = {}
     try:
-        while len(results) < tp_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"TP={tp_size}: ranks {sorted(results)} finished within {args.deadline} s")
-            try:
-                rank, ok, payload = out.get(timeout=min(left, 1.0))
-            except queue_mod.Empty:
-                bad = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if bad:
-                    raise RuntimeError(f"TP={tp_size}: a rank exited with {bad} without reporting")
-                continue
-            if not ok:
-                raise RuntimeError(f"TP={tp_size} rank {rank} failed:\n{payload}")
-            results[rank] = payload
+        collect_reports(out, procs, time.monotonic() + args.deadline, f"TP={tp_size}", results)
     finally:
         for p in procs:
             p.join(timeout=10 if len(results) == tp_size else 0.5)

@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import queue as queue_mod
 import socket
 import statistics
 import sys
@@ -112,22 +111,7 @@ class Ranks:
 
     def collect(self) -> dict:
         """{rank: payload}, one message from every rank."""
-        got: dict = {}
-        while len(got) < len(self.procs):
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{self.name}: only ranks {sorted(got)} answered before the deadline")
-            try:
-                rank, ok, payload = self.out.get(timeout=min(left, 1.0))
-            except queue_mod.Empty:
-                bad = [p.exitcode for p in self.procs if p.exitcode not in (None, 0)]
-                if bad:
-                    raise RuntimeError(f"{self.name}: a rank exited with {bad} without reporting")
-                continue
-            if not ok:
-                raise RuntimeError(f"{self.name} rank {rank} failed:\n{payload}")
-            got[rank] = payload
-        return got
+        return gsync.collect_reports(self.out, self.procs, self.deadline, self.name, {})
 
     def close(self) -> None:
         self.send(("stop",))

@@ -28,7 +28,8 @@ class RequestReceiver:
     def __init__(self, transport: ZmqTransport, endpoint: str, rank_info: RankInfo, tp: TPGroup,
                  node_address: Optional[str] = None, vocab_size: Optional[int] = None):
         """``tp``: the group that shares this rank's requests (the TP group; with pipeline
-        stages the whole DP group). ``node_address``: this node's cluster address, where a TCP request socket binds.
+        stages the whole DP group). ``node_address``: this node's cluster address, where a
+        TCP request socket binds.
         ``vocab_size``: requests are re-validated against it (the frontend already did;
         this keeps a bad message from any peer out of the scheduler)."""
         self.rank_info = rank_info

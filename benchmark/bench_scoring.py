@@ -3,6 +3,7 @@
     .venv/bin/python benchmark/bench_scoring.py [--num-prompts 200] [--concurrency 16]
         [--runs 3] [--dtype auto] [--port 0] [--server-args "--wait-for-torch-compile"]
         [--modes echo,echo-batch,generate] [--profile] [--json out.json]
+        [--case single|choices|all] [--items 32]
 
 Workload: --num-prompts deterministic prompts of --min-len..--max-len tokens (default
 48..80, ~64 on average, as real eval contexts vary), cut from ordinary English prose
@@ -11,7 +12,9 @@ downloads), whitespace collapsed, non-overlapping (no shared prefixes for the ra
 to flatter). Both sides get the same token-id lists, so they score exactly the same tokens.
 
 Ours: the real server (``launch.py`` in its own process group, always stopped at the end),
---concurrency workers each sending one prompt per request, after a warm-up round:
+--concurrency workers each sending one prompt per request, after a warm-up round; every
+round starts from an emptied radix cache (``/flush_cache``; the in-process scheduler's too),
+or the prompts of the earlier rounds would come back whole from the prompt-logprob cache:
 - ``echo``: ``/v1/completions`` with ``echo: true, max_tokens: 0, logprobs: 1``;
 - ``echo-batch``: the same with ``prompt`` a list of --concurrency token-id lists per
   request (one choice per prompt), the requests in flight together;
@@ -51,6 +54,18 @@ row included) at this run's measured bf16/fp32 matmul peak.
 in-process scheduler built from the same flags, report ready only then (a few minutes:
 the decode graphs compile too). ``--server-args --disable-torch-compile`` measures the
 eager prefill (the in-process run checks that no decode step happened either way).
+
+--case choices (issue 37; benchmark/scoring_choices.py; --case all: single, then this):
+multiple-choice scoring as lm-evaluation-harness sends it. --items questions (default 32),
+each a context of 1,000-2,000 tokens and 4 choices of 1-20 tokens (distinct first tokens),
+from non-overlapping corpus windows chosen by --seed; one echo request per choice (context
++ choice ids), in item order, --concurrency in flight. Two servers from --server-args and
+--dtype, one with --disable-prompt-logprob-cache; both stay up and alternate within each of
+--runs rounds if an idle server costs no CPU (measured first), else they run one after the
+other. Each is warmed on other items, and every timed round starts with ``/flush_cache``.
+Reported: tokens scored/s on and off, their ratio (of medians and per round; the target
+needs both >= 3), the cached tokens the server reports in ``usage``, and how far the
+logprobs on and off differ.
 """
 from __future__ import annotations
 
@@ -155,6 +170,17 @@ async def http_round(base: str, mode: str, prompts: list[list[int]], concurrency
         return time.perf_counter() - t, results
 
 
+def flush(base: str) -> None:
+    """Empty the server's radix cache (and the prompt logprobs kept with it), so a round
+    scores cold; 400 while requests still run."""
+    for _ in range(100):
+        r = httpx.post(base + "/flush_cache", timeout=60)
+        if r.status_code == 200:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"/flush_cache: HTTP {r.status_code}: {r.text[:200]}")
+
+
 def mode_available(base: str, mode: str, prompt: list[int]) -> str | None:
     """None if the server answers ``mode`` correctly, else why not."""
     path, body = request_for(mode, [prompt, prompt] if mode == "echo-batch" else [prompt])
@@ -252,7 +278,7 @@ class Timers:
     prompt-logprob bookkeeping (log_softmax + gather + top-k + tolist)."""
 
     def __init__(self, sched, compiled_prefill: bool):
-        import srt.scheduler.scheduler as sched_mod
+        import srt.scheduler.batch_step as sched_mod  # where the batch phases call it
         from srt.layers.attention import Attention
         from srt.layers.linear import _TPLinear
 
@@ -302,6 +328,8 @@ def inprocess_round(sched, prompts, concurrency: int, max_new: int, tag: str) ->
 
     params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": max_new})
     lp_req = LogprobRequest(top_n=1, start_len=0)
+    # Cold, as every round: prompts scored before would come whole from the radix cache.
+    assert sched.kv.flush_cache(), "in-process scheduler not idle"
     results: list = [None] * len(prompts)
     nxt, inflight = 0, 0
     t = time.perf_counter()
@@ -462,19 +490,26 @@ def main() -> None:
     ap.add_argument("--skip-breakdown", action="store_true", help="no in-process breakdown")
     ap.add_argument("--profile", action="store_true", help="cProfile + torch.profiler of the in-process run")
     ap.add_argument("--json", default=None, help="write every figure to this file")
+    ap.add_argument("--case", default="single", choices=["single", "choices", "all"],
+                    help="single: the prompts above; choices: multiple-choice, logprob cache on vs off; all: both")
+    ap.add_argument("--items", type=int, default=32, help="choices: questions (4 choices each)")
     args = ap.parse_args()
-    torch.set_grad_enabled(False)
+    report = score_single(args) if args.case in ("single", "all") else {"args": vars(args)}
+    if args.case in ("choices", "all"):
+        import scoring_choices  # it imports this module: at the top the import would be circular
 
-    from srt.model_loader import resolve_model_path
+        report["choices"] = scoring_choices.run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+def server_setup(args) -> tuple[str, int, list[str], dict]:
+    """(dtype, threads, launch.py flags, CPU flags) for ``args``; prints the header line."""
     from srt.model_runner import resolve_dtype
     from srt.server_args import ServerArgs
-    from srt.tokenizer_utils import get_tokenizer
 
-    model_dir = resolve_model_path(None)
-    tok = get_tokenizer(model_dir)
-    prompts = make_prompts(tok, args.num_prompts, args.min_len, args.max_len, args.seed)
-    n_tokens = sum(len(p) for p in prompts)
-    scored = n_tokens  # every prompt token is a position of the answer (the first one's is null)
     dtype = str(resolve_dtype(ServerArgs(dtype=args.dtype), "cpu")).removeprefix("torch.")
     # The scheduler's rule (scheduler_process.py): the node's cores, capped by OMP_NUM_THREADS.
     threads = min(os.cpu_count() or 1, torch.get_num_threads())
@@ -483,6 +518,22 @@ def main() -> None:
     flags = machine_floor.cpu_flags()
     print(f"cpu={machine_floor.cpu_model()} flags={flags} dtype={dtype} threads={threads} "
           f"load average at start {os.getloadavg()[0]:.2f} (other work on these cores skews every figure)")
+    return dtype, threads, server_argv, flags
+
+
+def score_single(args) -> dict:
+    """The --case single benchmark (the module docstring's first part); returns its report."""
+    torch.set_grad_enabled(False)
+
+    from srt.model_loader import resolve_model_path
+    from srt.tokenizer_utils import get_tokenizer
+
+    model_dir = resolve_model_path(None)
+    tok = get_tokenizer(model_dir)
+    dtype, threads, server_argv, flags = server_setup(args)
+    prompts = make_prompts(tok, args.num_prompts, args.min_len, args.max_len, args.seed)
+    n_tokens = sum(len(p) for p in prompts)
+    scored = n_tokens  # every prompt token is a position of the answer (the first one's is null)
     print(f"prompts={args.num_prompts} tokens={n_tokens} (len {min(map(len, prompts))}..{max(map(len, prompts))}, "
           f"mean {n_tokens / len(prompts):.1f}) concurrency={args.concurrency} runs={args.runs}")
     report = {"args": vars(args), "cpu": machine_floor.cpu_model(), "cpu_flags": flags, "dtype": dtype,
@@ -514,6 +565,7 @@ def main() -> None:
             asyncio.run(http_round(base, mode, prompts[:2 * args.concurrency], args.concurrency))
         for r in range(args.runs):  # alternate: drift of the CPU hits both sides alike
             for mode in modes:
+                flush(base)  # the same prompts each round: scored cold, not from the cache
                 before = cpu_seconds()
                 wall, res = asyncio.run(http_round(base, mode, prompts, args.concurrency))
                 ours_cpu.setdefault(mode, []).append((wall, cpu_delta(before, cpu_seconds())))
@@ -578,10 +630,7 @@ def main() -> None:
         report["inprocess"] = {k: v for k, v in ip.items() if k not in ("results", "profile")}
         if "profile" in ip:
             print(ip["profile"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {args.json}")
+    return report
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from distributed.parallel_state import RankInfo, TPGroup
 from distributed.pipeline import PipelineGroup
 from sampling.logprobs import log_softmax_rows
 from sampling.sampler import Sampler
+from sampling.sampling_params import MAX_TOP_LOGPROBS
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
 from srt.aoti_decode import DecodePackages
@@ -28,6 +29,7 @@ from srt.layers.attention.layer import prepare_attention
 from srt.layers.cpu_packed_linear import pack_linear_weights
 from srt.layers.quantization import apply_torchao_config
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from srt.mem_cache.prompt_logprob_pool import PromptLogprobPool
 from srt.model_config import ModelConfig
 from srt.model_loader import load_model
 from srt.pipeline_forward import PipelineForward, stage_layers
@@ -228,7 +230,15 @@ class ModelRunner:
     def _kv_bytes_per_token(self) -> int:
         cfg = self.model_config
         return MHATokenToKVPool.bytes_per_token(
-            self.stage.end - self.stage.start, cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim, self.dtype)
+            self.stage.end - self.stage.start, cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim,
+            self.dtype) + self.logprob_bytes_per_token()
+
+    def logprob_bytes_per_token(self) -> int:
+        """Prompt logprobs kept with the radix cache: part of each KV token's budget."""
+        args = self.server_args
+        if args.disable_radix_cache or args.disable_prompt_logprob_cache:
+            return 0
+        return PromptLogprobPool.bytes_per_token(MAX_TOP_LOGPROBS)
 
     def _profile_max_num_tokens(self) -> int:
         """KV pool size from --max-total-tokens or this rank's free memory."""
@@ -254,9 +264,13 @@ class ModelRunner:
         self.token_to_kv_pool = MHATokenToKVPool(
             self.max_total_num_tokens, self.stage.end - self.stage.start,
             cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim, self.dtype, self.device)
-        logger.info("%s KV cache: %d tokens (%.1f MiB)", self.rank_info.log_prefix,
-                    self.max_total_num_tokens,
-                    self.max_total_num_tokens * self._kv_bytes_per_token() / 2**20)
+        lp_bytes = self.logprob_bytes_per_token()
+        self.prompt_logprob_pool = PromptLogprobPool(
+            self.max_total_num_tokens, MAX_TOP_LOGPROBS, self.rank_info.is_entry_rank) if lp_bytes else None
+        logger.info("%s KV cache: %d tokens (%.1f MiB, of which prompt-logprob cache %.1f MiB, "
+                    "%d B/token)", self.rank_info.log_prefix, self.max_total_num_tokens,
+                    self.max_total_num_tokens * self._kv_bytes_per_token() / 2**20,
+                    self.max_total_num_tokens * lp_bytes / 2**20, lp_bytes)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:

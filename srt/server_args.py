@@ -67,6 +67,7 @@ class ServerArgs:
     wait_for_torch_compile: bool = _f(False, "Report ready only once the decode step and the prefill are compiled (benchmarks). Default: serve eagerly while they compile in the background.")
     torch_compile_max_bs: int = _f(64, "Largest decode batch run by the compiled step; larger batches run eagerly.")
     disable_radix_cache: bool = _f(False, "Do not keep computed KV in the radix prefix cache: every request prefills its whole prompt.")
+    disable_prompt_logprob_cache: bool = _f(False, "Do not keep prompt logprobs with the radix cache: a request asking for prompt logprobs prefills every position from its logprob start again (the cache costs 165 bytes per KV token, counted in the KV budget; docs/evaluation.md 'Scoring at cache speed').")
     disable_cuda_graph: bool = _f(False, "CUDA: run the decode step eagerly instead of replaying CUDA graphs captured per batch-size bucket at start-up.")
     cuda_graph_max_bs: int = _f(128, "CUDA: largest decode batch captured as a CUDA graph (buckets 1, 2, 4, 8, then every 8); larger batches run eagerly.")
     torchao_config: Optional[str] = _f(None, "Weight-only quantization with torchao: int8wo, or int4wo-<group size> (32, 64, 128, 256).")

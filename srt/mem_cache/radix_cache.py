@@ -93,6 +93,20 @@ class RadixCache:
         node, _, values = self._walk(key)
         return (torch.cat(values) if values else self.root.value), node
 
+    def peek(self, key: list[int]) -> torch.Tensor:
+        """The KV slots of the longest cached prefix of ``key``, changing nothing (no
+        split, no access time): for looking at what a match would give."""
+        node, values, pos = self.root, [], 0
+        while pos < len(key) and key[pos] in node.children:
+            child = node.children[key[pos]]
+            n = _common_len(child.key, key[pos:pos + len(child.key)])
+            values.append(child.value[:n])
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return torch.cat(values) if values else self.root.value
+
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut ``child``'s edge after ``n`` tokens; returns the new upper node."""
         upper = self._new_node(child.parent, child.key[:n], child.value[:n])

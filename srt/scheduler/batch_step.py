@@ -82,6 +82,8 @@ class BatchStepMixin(SpecStepMixin):
             with stats.phase("grammar", counted=step.has_grammar):
                 self._process_results(step)
             self._update_running(step)
+        if self.kv.tree is not None:  # the tree as this batch left it (scoring ones too)
+            self.batch_log.record_cache(self.kv.tree.digest, self.kv.tree.evicted_tokens)
         if mode is ForwardMode.MIXED and steps[-1].chunked:
             reqs.pop()  # the chunked request, last in the caller's list too
 
@@ -335,8 +337,6 @@ class BatchStepMixin(SpecStepMixin):
         if step.mode is ForwardMode.EXTEND:
             for i in keep:
                 self.kv.cache_prefilled(reqs[i])
-        if self.kv.tree is not None:  # the tree as this batch left it
-            self.batch_log.record_cache(self.kv.tree.digest, self.kv.tree.evicted_tokens)
         if step.mode is ForwardMode.DECODE:
             self._keep_running([r for r in self.running if not r.finished])
             return

@@ -14,17 +14,22 @@ import torch
 from srt.forward_batch import ForwardBatch, ForwardMode, mixed_batch
 from srt.scheduler.req import Req
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from srt.mem_cache.prompt_logprob_pool import PromptLogprobPool
 from srt.mem_cache.radix_cache import RadixCache
+from srt.scheduler.prompt_logprob_cache import match_for_scoring, store_scored, take_cached
 
 
 class KVCacheManager:
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
-                 kv_pool: MHATokenToKVPool, device: str, radix_cache: Optional[RadixCache] = None):
+                 kv_pool: MHATokenToKVPool, device: str, radix_cache: Optional[RadixCache] = None,
+                 logprob_pool: Optional[PromptLogprobPool] = None):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.kv_pool = kv_pool
         self.device = device
         self.tree = radix_cache
+        # Prompt logprobs cached with the tree's slots (only with the tree).
+        self.logprob_pool = logprob_pool if radix_cache is not None else None
 
     def available_tokens(self) -> int:
         """Free slots plus cached ones nobody is using (evicted on demand)."""
@@ -36,18 +41,24 @@ class KVCacheManager:
             self.tree.evict(short)  # eviction before retraction: callers checked the budget
         out = self.allocator.alloc(n)
         assert out is not None, "KV allocation past the checked budget"
+        if self.logprob_pool is not None:
+            self.logprob_pool.reset(out)
         return out
 
     # ---- the prefix cache -------------------------------------------------------------
     def lock_prefix(self, req: Req) -> int:
         """A waiting request (no KV yet) takes the longest cached prefix of its tokens
         (leaving at least one to compute, for its logits; for prompt logprobs, every
-        position they need) and locks it. Returns how many
+        position whose logprob the cache does not hold) and locks it. Returns how many
         tokens stopped being evictable because of this lock."""
         if self.tree is None or req.req_pool_idx is not None:
             return 0
-        # Prompt logprobs from position k need the logits of position k - 1: compute it.
-        end = -1 if req.input_logprobs_done else max(req.logprob_start - 1, 0)
+        if req.input_logprobs_done:
+            end = -1
+        elif self.logprob_pool is not None:
+            end = match_for_scoring(req, self.tree, self.logprob_pool)
+        else:  # prompt logprobs from position k need the logits of position k - 1
+            end = max(req.logprob_start - 1, 0)
         slots, node = self.tree.match_prefix(req.fill_ids[:end])
         req.prefix_slots, req.last_node = slots, node
         if req.cached_tokens is None:  # first admission: what the user is told was cached
@@ -59,6 +70,7 @@ class KVCacheManager:
         if req.last_node is not None and req.req_pool_idx is None:
             self.tree.dec_lock_ref(req.last_node)
             req.last_node, req.prefix_slots = None, None
+            req.cached_prompt_logprobs = None
 
     def prepare_extend(self, reqs: list[Req]) -> ForwardBatch:
         """Prefill ``fill_ids`` beyond each request's cached prefix. Caller checked capacity."""
@@ -70,6 +82,7 @@ class KVCacheManager:
                     n = len(r.prefix_slots)
                     self.req_to_token_pool.req_to_token[r.req_pool_idx, :n] = r.prefix_slots
                     r.prefix_len = r.kv_committed_len = n
+                take_cached(r)
             fill = r.fill_ids
             start = r.kv_committed_len
             end = len(fill) if r.extend_limit is None else start + r.extend_limit
@@ -196,6 +209,8 @@ class KVCacheManager:
         cached = self.tree.insert(req.fill_ids[:n], slots)
         if cached > req.prefix_len:
             self.allocator.free(slots[req.prefix_len:cached])
+        if self.logprob_pool is not None and req.scored_until > req.logprobs_stored_until:
+            store_scored(req, self.tree.peek(req.fill_ids[:n]), self.logprob_pool)
 
     def flush_cache(self) -> bool:
         """Empty the tree (POST /flush_cache); only when nothing holds a lock on it."""

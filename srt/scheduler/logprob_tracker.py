@@ -26,6 +26,7 @@ class PromptLogprobRows:
     req: Req
     first: int
     targets: list[int]  # the prompt tokens those rows predict
+    first_pos: int  # the prompt position of targets[0]
     leading_none: bool  # the prompt's first token is asked for: it has no logprob
     last_chunk: bool  # this prefill reaches the end of the prompt
 
@@ -49,7 +50,7 @@ def plan_prompt_logprobs(reqs: list[Req], extend_lens: list[int], prefix_lens: l
         # Position p's logits predict token p + 1; prompt tokens want .. prompt_len - 1.
         lo, hi = max(begin, want - 1, 0), min(begin + n, prompt_len - 1)
         plan.append(PromptLogprobRows(r, len(rows) - len(reqs), r.origin_input_ids[lo + 1:hi + 1],
-                                      want == 0 and begin == 0, begin + n >= prompt_len))
+                                      lo + 1, want == 0 and begin == 0, begin + n >= prompt_len))
         rows.extend(starts[i] + p - begin for p in range(lo, hi))
     return rows, plan
 
@@ -72,6 +73,8 @@ def record_prompt_logprobs(plan: list[PromptLogprobRows], extra_logits: Optional
                 for lp, top in picked:
                     r.input_token_logprobs.append(lp)
                     r.input_top_logprobs.append(top)
+        if p.targets:
+            r.scored_until = p.first_pos + len(p.targets)
         if p.last_chunk:
             r.input_logprobs_done = True
 

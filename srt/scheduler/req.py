@@ -56,6 +56,12 @@ class Req:
         self.input_top_logprobs: list[tuple[tuple[int, float], ...]] = []
         self.input_logprobs_done = logprobs is None or logprobs.start_len < 0
         self.input_logprobs_sent = self.input_logprobs_done
+        # Prompt logprobs and the radix cache (srt/scheduler/prompt_logprob_cache.py), on
+        # every rank: positions [.., scored_until) have theirs (computed or cached);
+        # those before logprobs_stored_until are in the cache's pool; a match's find.
+        self.scored_until = 0
+        self.logprobs_stored_until = 0
+        self.cached_prompt_logprobs = None
         self.prefix_group = prefix_group  # samples of one prompt (n > 1)
 
     @property

@@ -17,7 +17,7 @@ class PrefillAdder:
 
     def __init__(self, running: list[Req], available_tokens: int, max_running: int,
                  max_prefill_tokens: int, clip_new_tokens: int, chunk_size: Optional[int] = None,
-                 share_prompts: bool = False):
+                 share_prompts: bool = False, share_scores: bool = False):
         self.available = available_tokens
         self.slots = max_running - len(running)
         self.max_prefill_tokens = max_prefill_tokens
@@ -32,6 +32,7 @@ class PrefillAdder:
                             for r in running)  # drafts take slots in the coming step
         self.busy = bool(running)
         self.share_prompts = share_prompts
+        self.share_scores = share_scores
 
     def select(self, waiting: deque[Req], lock_prefix: Callable[[Req], int] = lambda r: 0,
                unlock_prefix: Callable[[Req], None] = lambda r: None) -> list[Req]:
@@ -74,12 +75,32 @@ class PrefillAdder:
         return picked
 
     def shares_prompt_with(self, picked: list[Req], req: Req, extend: int) -> bool:
-        """Is ``req`` another sample (``n`` > 1) of a prompt this batch prefills, with more
-        than its last token still to compute? Then it waits one step and reuses the
-        prompt's KV (only with the radix cache: ``share_prompts``)."""
-        return (self.share_prompts and req.prefix_group is not None and extend > 1
-                and req.input_logprobs_done  # prompt logprobs: computed again anyway
-                and any(p.prefix_group == req.prefix_group for p in picked))
+        """Does this batch already prefill what ``req`` would compute? Then it waits one
+        step and takes it from the radix cache (only with the cache: ``share_prompts``):
+        - another sample (``n`` > 1) of a prompt this batch prefills;
+        - with prompt logprobs (``share_scores``: they are cached too), a request whose
+          next ``SHARED_SCORE_MIN`` tokens another scores here, with as many alternatives
+          (lm-eval's choices of one question, sent together)."""
+        if not self.share_prompts or extend <= 1:
+            return False
+        if req.input_logprobs_done:
+            return req.prefix_group is not None and any(p.prefix_group == req.prefix_group for p in picked)
+        return self.share_scores and any(_scores_ahead_of(p, req) for p in picked)
+
+
+# Shared tokens past the cached prefix that make a scoring request wait for another's
+# (SGLang's in-batch prefix threshold): fewer cost less to compute than a step's wait.
+SHARED_SCORE_MIN = 32
+
+
+def _scores_ahead_of(p: Req, req: Req) -> bool:
+    """Will ``p``'s prefill score the next ``SHARED_SCORE_MIN`` tokens of ``req``?"""
+    if p.input_logprobs_done or p.logprobs.top_n < req.logprobs.top_n:
+        return False
+    start = _computed_len(req)
+    end = start + SHARED_SCORE_MIN
+    ids = req.fill_ids
+    return p.logprob_start <= max(start, 1) and len(ids) > end and p.fill_ids[:end] == ids[:end]
 
 
 def _computed_len(req: Req) -> int:

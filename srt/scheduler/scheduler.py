@@ -62,7 +62,7 @@ class Scheduler(BatchStepMixin):
         tree = None if server_args.disable_radix_cache else RadixCache(
             r.token_to_kv_pool_allocator.free, r.device)
         self.kv = KVCacheManager(r.req_to_token_pool, r.token_to_kv_pool_allocator,
-                                 r.token_to_kv_pool, r.device, tree)
+                                 r.token_to_kv_pool, r.device, tree, r.prompt_logprob_pool)
         self.eos_ids = frozenset(model_config.eos_token_ids)
         self.vocab_size = model_config.vocab_size
         self.waiting: deque[Req] = deque()
@@ -252,7 +252,8 @@ class Scheduler(BatchStepMixin):
         adder = PrefillAdder(self.running, self.kv.available_tokens(),
                              self.server_args.max_running_requests,
                              self.server_args.max_prefill_tokens, self.clip_new_tokens,
-                             self.chunk_size, share_prompts=self.kv.tree is not None)
+                             self.chunk_size, share_prompts=self.kv.tree is not None,
+                             share_scores=self.kv.logprob_pool is not None)
         new_reqs = adder.select(self.waiting, self.kv.lock_prefix, self.kv.unlock_prefix)
         if new_reqs:
             for _ in new_reqs:

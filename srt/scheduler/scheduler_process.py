@@ -231,7 +231,8 @@ def _build_scheduler(launch: RankLaunch, joined: _JoinedWorld) -> _StartedRank:
         max_running_requests=runner.max_running_requests,
         context_len=runner.context_len,
         vocab_size=model_config.vocab_size,
-        eos_token_ids=tuple(model_config.eos_token_ids))
+        eos_token_ids=tuple(model_config.eos_token_ids),
+        prompt_logprob_cache_bytes_per_token=runner.logprob_bytes_per_token())
     return _StartedRank(server_args, joined.world, scheduler, receiver, sender, info)
 
 

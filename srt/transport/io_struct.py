@@ -127,6 +127,8 @@ class SchedulerInfo:
     context_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    # Prompt logprobs kept with the radix cache: bytes per KV token (0: off), in the budget.
+    prompt_logprob_cache_bytes_per_token: int = 0
 
 
 @dataclass(frozen=True)

@@ -266,7 +266,8 @@ class ModelRunner:
             cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim, self.dtype, self.device)
         lp_bytes = self.logprob_bytes_per_token()
         self.prompt_logprob_pool = PromptLogprobPool(
-            self.max_total_num_tokens, MAX_TOP_LOGPROBS, self.rank_info.is_entry_rank) if lp_bytes else None
+            self.max_total_num_tokens, MAX_TOP_LOGPROBS, self.rank_info.is_entry_rank,
+            self.device) if lp_bytes else None
         logger.info("%s KV cache: %d tokens (%.1f MiB, of which prompt-logprob cache %.1f MiB, "
                     "%d B/token)", self.rank_info.log_prefix, self.max_total_num_tokens,
                     self.max_total_num_tokens * self._kv_bytes_per_token() / 2**20,

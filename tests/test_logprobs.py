@@ -111,13 +111,10 @@ def test_long_prompt_logprobs_and_from_the_cache(engine, reference, smollm2_toke
         assert [t for _, t, _ in ins] == p_ids[5:]
         for q, (lp, tok, _) in enumerate(ins, start=5):
             assert abs(lp - ref[q - 1, tok].item()) < TOL
-    # The second takes both KV and logprobs from the cache (test_prompt_logprob_cache.py),
-    # recomputing only the last RECOMPUTE_ROWS positions of what it asks.
-    from srt.scheduler.prompt_logprob_cache import RECOMPUTE_ROWS
-    cached = len(p_ids) - 1 - RECOMPUTE_ROWS
-    assert again["meta_info"]["cached_tokens"] == cached
-    taken = cached + 1 - 5  # tokens 5..cached come from the cache: the first's numbers
-    assert again["meta_info"]["input_token_logprobs"][:taken] == first["meta_info"]["input_token_logprobs"][:taken]
+    # The second is served whole from the cache (KV and logprobs; only its last token is
+    # computed): the first's very numbers (test_prompt_logprob_cache.py).
+    assert again["meta_info"]["cached_tokens"] == len(p_ids) - 1
+    assert again["meta_info"]["input_token_logprobs"] == first["meta_info"]["input_token_logprobs"]
 
 
 def test_scoring_with_max_new_tokens_0_alongside_generating_requests(engine, reference, smollm2_tokenizer):

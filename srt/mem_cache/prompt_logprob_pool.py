@@ -6,11 +6,14 @@ alone, like the K/V in the same slot, so whatever the radix cache shares it can 
 and freeing (evicting) a slot frees both.
 
 Two parts:
-- ``top_count`` (every rank): how many top alternatives slot s holds, -1 for no entry.
-  The radix cache's matches depend on it, so it changes only in steps every rank takes
-  (``reset`` at allocation, ``write`` at insertion into the tree) and stays identical.
-- the numbers (only on the rank that computes logprobs, ``holds_values``): float32, as
-  the sampler's ``tolist()`` produced them, so a cached entry reads back bit for bit.
+- ``top_count`` (every rank, on the KV slots' device, so resetting the slots every
+  decode step allocates costs no host sync): how many top alternatives slot s holds, -1
+  for no entry. The radix cache's matches depend on it, so it changes only in steps every
+  rank takes (``reset`` at allocation, ``write`` at insertion into the tree) and stays
+  identical.
+- the numbers (only on the rank that computes logprobs, ``holds_values``; host memory,
+  where logprobs are read anyway): float32, as the sampler's ``tolist()`` produced them,
+  so a cached entry reads back bit for bit.
 """
 from __future__ import annotations
 
@@ -23,10 +26,10 @@ NO_ENTRY = -1
 
 
 class PromptLogprobPool:
-    def __init__(self, size: int, max_top: int, holds_values: bool):
+    def __init__(self, size: int, max_top: int, holds_values: bool, device: str = "cpu"):
         self.max_top = max_top
         self.holds_values = holds_values
-        self.top_count = torch.full((size + 1,), NO_ENTRY, dtype=torch.int8)
+        self.top_count = torch.full((size + 1,), NO_ENTRY, dtype=torch.int8, device=device)
         if holds_values:
             self.logprob = torch.zeros(size + 1, dtype=torch.float32)
             self.top_ids = torch.zeros((size + 1, max_top), dtype=torch.int32)
@@ -40,20 +43,20 @@ class PromptLogprobPool:
 
     def reset(self, slots: torch.Tensor) -> None:
         """Newly allocated slots hold nothing (they may have held an evicted entry)."""
-        self.top_count[slots.cpu()] = NO_ENTRY
+        self.top_count[slots] = NO_ENTRY
 
     def counts(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.top_count[slots.cpu()]
+        return self.top_count[slots]
 
     def write(self, slots: torch.Tensor, top_n: int,
               entries: Optional[Sequence[tuple[float, TopLogprobs]]]) -> None:
         """Store entries with ``top_n`` alternatives computed at ``slots`` (``entries`` only
         on the rank that holds values; a listed top may be shorter than ``top_n`` where the
         model gave -inf)."""
-        slots = slots.cpu()
         self.top_count[slots] = top_n
         if not self.holds_values:
             return
+        slots = slots.cpu()
         self.logprob[slots] = torch.tensor([lp for lp, _ in entries], dtype=torch.float32)
         if top_n == 0:
             return

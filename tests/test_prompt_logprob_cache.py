@@ -13,7 +13,7 @@ prefilled in chunks. What must hold:
   batch-invariant. A position's attention depends in its last bits on the length of the
   prompt around it (and on what else shares its chunk), so the same context scored inside
   two prompts differs by up to ~5e-5 without any cache; so does the compiled prefill,
-  hence eager here (docs/speed.md "Scoring").
+  hence eager here (docs/evaluation.md "Scoring at cache speed").
 The TP=2 case is in test_prompt_logprob_cache_tp.py.
 """
 from __future__ import annotations

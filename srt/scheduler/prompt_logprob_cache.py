@@ -24,8 +24,8 @@ from srt.scheduler.req import Req
 # the first uncovered one are run again with it. A CPU forward over a handful of rows
 # takes other GEMM kernels than a whole prompt's (oneDNN's small-M paths), whose last bits
 # differ; with 16 rows or more they came out bit-identical to a whole prompt's in most
-# cases measured (fp32, eager; never guaranteed: see docs/speed.md "Scoring"), at the cost
-# of 16 tokens next to a long shared context.
+# cases measured (fp32, eager; never guaranteed: docs/evaluation.md "Scoring at cache
+# speed"), at the cost of 16 tokens next to a long shared context.
 RECOMPUTE_ROWS = 16
 
 

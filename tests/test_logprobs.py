@@ -145,7 +145,7 @@ def test_bad_logprob_fields_are_rejected(engine):
         engine.generate("Hi", {"max_new_tokens": 1}, return_logprob=True, top_logprobs_num=21)
     with pytest.raises(ValueError, match="logprob_start_len"):
         engine.generate("Hi", {"max_new_tokens": 1}, return_logprob=True, logprob_start_len=50)
-    with pytest.raises(ValueError, match="need return_logprob"):
+    with pytest.raises(ValueError, match="asks for logprobs: send return_logprob: true"):
         engine.generate("Hi", {"max_new_tokens": 1}, top_logprobs_num=2)
 
 

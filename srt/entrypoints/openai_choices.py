@@ -6,8 +6,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional
 
-from srt.entrypoints.http_common import sse
-from srt.entrypoints.openai_protocol import error_body
+from srt.entrypoints.http_common import abort_event, is_error_abort
 from srt.entrypoints.openai_responses import PromptTokensDetails, UsageInfo
 from srt.frontend.samples import combine_usage
 from srt.frontend.tokenizer_manager import TokenizerManager
@@ -20,14 +19,14 @@ def _usage(meta: dict) -> UsageInfo:  # one output's meta_info, or combine_usage
 
 
 async def choice_outputs(tm: TokenizerManager, req) -> AsyncIterator[tuple[int, Any]]:
-    """A streamed request's outputs as (choice index, output); an abort comes as
-    (index, its SSE error event) and ends it. Closing this aborts the request."""
+    """A streamed request's outputs as (choice index, output); an error abort comes as
+    (index, its SSE error event) and ends it (an administrator's abort is an ordinary last
+    output, finish reason ``abort``). Closing this aborts the request."""
     async with contextlib.aclosing(tm.generate_request(req)) as outputs:
         async for out in outputs:
             fr = out["meta_info"]["finish_reason"]
-            if fr is not None and fr["type"] == "abort":
-                yield out.get("index", 0), sse(error_body(fr.get("message") or "Request aborted.",
-                                                          fr.get("status_code") or 500))
+            if is_error_abort(fr):
+                yield out.get("index", 0), abort_event(fr)
                 return
             yield out.get("index", 0), out
 

@@ -12,7 +12,7 @@ and drops the last logprob entry, so a generated stop token is listed like any o
 """
 from __future__ import annotations
 
-import asyncio
+import functools
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from srt.entrypoints.openai_logprobs import completion_logprobs, joined, prompt_logprobs
 from srt.entrypoints.openai_protocol import CompletionRequest
 from srt.entrypoints.openai_responses import CompletionChoice, CompletionResponse, PromptTokensDetails, UsageInfo
-from srt.entrypoints.http_common import SSE_DONE, error_response, errors_as_events, sse
+from srt.entrypoints.http_common import SSE_DONE, error_response, errors_as_events, final_outputs, sse
 from srt.entrypoints.openai_choices import ChoiceStream, _finish, choice_outputs, structured_output, usage_of
 from srt.entrypoints.openai_serving import OpenAIServing
 from srt.frontend.samples import merge_samples
@@ -82,17 +82,7 @@ def _echo_text(serving: OpenAIServing, prompt, req) -> str:
 
 async def _final_outputs(serving: OpenAIServing, request: Request, reqs: list):
     """Every prompt's outputs, in order, or the first error (the others are aborted)."""
-    tasks = [asyncio.create_task(serving._final_output(request, r)) for r in reqs]
-    try:
-        for done in asyncio.as_completed(tasks):
-            _, err = await done
-            if err is not None:
-                return None, err
-        return [t.result()[0] for t in tasks], None
-    finally:  # an error or a cancelled handler: cancelling aborts the unfinished requests
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    return await final_outputs(request, [functools.partial(serving.tm.generate_request, r) for r in reqs])
 
 
 def _choice(serving: OpenAIServing, job: CompletionJob, k: int, j: int, out: dict) -> CompletionChoice:

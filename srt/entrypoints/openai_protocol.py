@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from constrained.schema_coverage import with_strict
 from sampling.sampling_params import MAX_TOP_LOGPROBS
-from srt.entrypoints.vllm_dialect import VllmDialectFields, request_constraint
+from srt.entrypoints.vllm_dialect import VllmDialectFields, constraint_sources, request_constraint
 from srt.function_call.tools import check_tool_choice, check_tools
 from srt.entrypoints.openai_responses import ErrorDetail, ErrorResponse
 from srt.frontend.generate_input import GenerateReqInput
@@ -166,6 +166,10 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false}
+    # SGLang / vLLM: the reply continues the last (assistant) message instead of starting a
+    # new one; add_generation_prompt (vLLM) says whether a new one is opened.
+    continue_final_message: bool = False
+    add_generation_prompt: Optional[bool] = None
     modalities: Optional[list[str]] = None
     audio: Optional[dict[str, Any]] = None
     prediction: Optional[dict[str, Any]] = None
@@ -191,6 +195,28 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)}: only the chat "
                              "template's own variables (e.g. enable_thinking) are allowed")
         return v
+
+    @model_validator(mode="after")
+    def _continue_rules(self):
+        if not self.continue_final_message:
+            return self
+        if self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: "
+                             "the reply either continues the last message or starts a new one.")
+        if self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's "
+                             f"(the one to continue), got role {self.messages[-1].role!r}.")
+        if self.tools or constraint_sources(self, response_format_constraint(self.response_format)):
+            raise ValueError("continue_final_message cannot be combined with tools or a constraint "
+                             "(response_format, regex, ...): the constraint would cover only the "
+                             "continuation, not the whole message.")
+        return self
+
+    def template_flags(self) -> dict:
+        """apply_chat_template's add_generation_prompt / continue_final_message."""
+        if self.continue_final_message:
+            return {"add_generation_prompt": False, "continue_final_message": True}
+        return {"add_generation_prompt": self.add_generation_prompt is not False}
 
     def requires_reasoning(self, reasoning_parser: Optional[str]) -> bool:
         """Does the model think before answering (so the constraint starts later)?
@@ -239,9 +265,6 @@ class CompletionRequest(_SamplingRequest):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 is only allowed with echo: true (it scores the prompt "
                              "and generates nothing); ask for at least 1 token otherwise.")
-        if self.echo and self.n > 1:
-            raise ValueError("echo is not supported with n > 1: the prompt and its logprobs are the "
-                             "same for every choice; send n: 1.")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt is an empty list: give a string, a list of token ids, or a "
                              "non-empty list of either.")

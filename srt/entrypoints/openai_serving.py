@@ -11,8 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from srt.entrypoints.http_common import (
-    OFFLOOP_BODY_BYTES, SSE_DONE, abort_error, error_response, errors_as_events, last_output_or_disconnect,
-    read_json, sse,
+    OFFLOOP_BODY_BYTES, SSE_DONE, error_response, errors_as_events, final_output, read_json, sse,
 )
 from srt.entrypoints.openai_choices import ChoiceStream, _finish, choice_outputs, structured_output, usage_of
 from srt.entrypoints.openai_logprobs import TokenTexts, chat_logprobs
@@ -48,17 +47,9 @@ class OpenAIServing:
             return None, error_response(str(e))
         return body, None
 
-    async def _final_output(self, request: Request, req) -> tuple[Optional[dict], Optional[Response]]:
-        """Run a non-streaming request: (output, None), or (None, the error response)."""
-        out = await last_output_or_disconnect(request, self.tm.generate_request(req))
-        if out is None:
-            return None, Response(status_code=499)  # nobody is listening any more
-        outs = out if isinstance(out, list) else [out]  # n > 1: one output per sample
-        for one in outs:
-            fr = one["meta_info"]["finish_reason"]
-            if fr and fr["type"] == "abort":
-                return None, abort_error(fr)
-        return outs, None
+    async def _final_output(self, request: Request, req) -> tuple[Optional[list], Optional[Response]]:
+        """Run a non-streaming request: (its outputs, None), or (None, the error response)."""
+        return await final_output(request, self.tm.generate_request(req))
 
     async def chat_completions(self, request: Request) -> Response:
         body, err = await self._parse(request, ChatCompletionRequest)
@@ -99,7 +90,8 @@ class OpenAIServing:
         tools, messages, tool_kwargs = ToolCalling.prepare(
             body, messages, self.tm.tokenizer, self.tm.server_args,
             lambda chars: check_fits_context(chars, self.tm.context_len, self.tm.max_token_chars))
-        ids = apply_chat_template(self.tm.tokenizer, messages, **(body.chat_template_kwargs or {}), **tool_kwargs)
+        ids = apply_chat_template(self.tm.tokenizer, messages, **body.template_flags(),
+                                  **(body.chat_template_kwargs or {}), **tool_kwargs)
         obj = body.generate_input(uuid.uuid4().hex, input_ids=ids)
         tools.constrain(obj.sampling_params)  # the tool-call grammar (srt/function_call)
         obj.require_reasoning = body.requires_reasoning(self.tm.server_args.reasoning_parser)

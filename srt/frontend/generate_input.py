@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 
 from constrained.grammar_config import DISABLED_MESSAGE
 from sampling.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from srt.frontend.sglang_fields import REQUEST_FIELDS, SAMPLING_FIELDS, take_neutral, take_sampling_seed
 from srt.transport.io_struct import LogprobRequest, SchedulerInfo, TokenizedGenerateReq
 
 
@@ -40,9 +41,12 @@ class GenerateReqInput:
 
     @classmethod
     def from_dict(cls, d: Any) -> "GenerateReqInput":
-        """Parse a JSON body; unknown keys and wrong types raise ValueError."""
+        """Parse one prompt's JSON body (a batch is split first: generate_batch.py);
+        unknown keys and wrong types raise ValueError. SGLang's fields that ask for nothing
+        here (sglang_fields.py) are dropped; one that asks for a missing feature is refused."""
         if not isinstance(d, Mapping):
             raise ValueError("The request body must be a JSON object.")
+        d = take_neutral(d, REQUEST_FIELDS, "")
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"Unknown field(s) in request: {', '.join(unknown)}")
@@ -51,15 +55,19 @@ class GenerateReqInput:
                   "return_logprob": bool, "return_text_in_logprobs": bool}
         for name, typ in checks.items():
             if d.get(name) is not None and not isinstance(d[name], typ):
-                if name in ("text", "rid") and isinstance(d[name], list):
-                    raise ValueError(f"Batched requests are not supported: {name} must be a single string.")
+                if isinstance(d[name], list):
+                    raise ValueError(f"{name} is a list, but the request has one prompt: a batch "
+                                     "gives text (or input_ids) as a list too.")
                 raise ValueError(f"{name} must be a {typ.__name__.lower()}, got {d[name]!r}")
         for name in ("logprob_start_len", "top_logprobs_num"):
             if d.get(name) is not None and not _is_int(d[name]):
                 raise ValueError(f"{name} must be an integer, got {d[name]!r}")
         ids = d.get("input_ids")
         if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
-            raise ValueError("input_ids must be a list of integers (batched requests are not supported).")
+            raise ValueError("input_ids must be a list of integers (a batch: a list of such lists).")
+        if d.get("sampling_params") is not None:
+            sp = take_neutral(d["sampling_params"], SAMPLING_FIELDS, "sampling_params.")
+            d = {**d, "sampling_params": take_sampling_seed(sp)}
         return cls(**{k: v for k, v in d.items() if v is not None})
 
 
@@ -177,18 +185,21 @@ def _with_output_budget(params: SamplingParams, n: int, info: SchedulerInfo,
 
 
 def logprob_request(obj: GenerateReqInput, prompt_len: int) -> Optional[LogprobRequest]:
-    """The request's logprob fields, checked; None when no logprobs are asked for."""
+    """The request's logprob fields, checked; None when no logprobs are asked for. Without
+    return_logprob, logprob_start_len and return_text_in_logprobs are ignored as SGLang
+    ignores them (its clients send them with every request); a positive
+    top_logprobs_num asks for logprobs and is refused."""
     if not 0 <= obj.top_logprobs_num <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {obj.top_logprobs_num}.")
+    if not obj.return_logprob:
+        if obj.top_logprobs_num:
+            raise ValueError(f"top_logprobs_num ({obj.top_logprobs_num}) asks for logprobs: "
+                             "send return_logprob: true with it.")
+        return None
     if not -1 <= obj.logprob_start_len < prompt_len:
         raise ValueError(f"logprob_start_len must be -1 (output tokens only) or a prompt position "
                          f"in [0, {prompt_len - 1}] (the prompt has {prompt_len} tokens), "
                          f"got {obj.logprob_start_len}.")
-    if not obj.return_logprob:
-        if obj.top_logprobs_num or obj.logprob_start_len != -1 or obj.return_text_in_logprobs:
-            raise ValueError("top_logprobs_num, logprob_start_len and return_text_in_logprobs "
-                             "need return_logprob: true.")
-        return None
     return LogprobRequest(obj.top_logprobs_num, obj.logprob_start_len, obj.return_text_in_logprobs)
 
 

@@ -212,13 +212,15 @@ class TokenizerManager:
         finally:
             self.sample_groups.pop(req.rid, None)
 
-    def abort_request(self, rid: str, message: Optional[str] = None) -> None:
+    def abort_request(self, rid: str, message: Optional[str] = None, status_code: Optional[int] = None) -> None:
         """Ask the scheduler to abort ``rid`` (every sample, for an n > 1 request); it
-        answers with an abort finish reason."""
+        answers with an abort finish reason carrying ``message`` and ``status_code``, the
+        HTTP status its answer gets (200: the partial output, see ``AbortReq``)."""
+        fields = {k: v for k, v in (("message", message), ("status_code", status_code)) if v is not None}
         for part in self.sample_groups.get(rid, [rid]):
             state = self.rid_to_state.get(part)
             if state is not None:
-                self._send(state.dp_rank, AbortReq(part) if message is None else AbortReq(part, message))
+                self._send(state.dp_rank, AbortReq(part, **fields))
 
     def fail_all(self, message: str, status_code: int = 503) -> int:
         """End every in-flight request from here, without waiting for a scheduler (the server

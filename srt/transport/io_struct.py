@@ -67,10 +67,18 @@ class TokenizedGenerateReq:
     prefix_group: Optional[str] = None
 
 
+ANSWERED_ABORT = 200  # an abort whose request is answered normally, with its partial output
+
+
 @dataclass(frozen=True)
 class AbortReq:
     """Abort one request. Also produced by the entry rank itself (timeouts), so every rank
-    of a TP group handles the same aborts in the same iteration."""
+    of a TP group handles the same aborts in the same iteration.
+
+    ``status_code`` is the HTTP status the request's answer gets: 200 (``ANSWERED_ABORT``,
+    an administrator's /abort_request) answers with the partial output and finish reason
+    ``abort``, as SGLang does; 4xx / 5xx (grammar errors, timeouts, shutdown) answer with
+    an error; 499 is a client that went away (nobody reads the answer)."""
 
     rid: str
     message: str = "Request aborted by the client."

@@ -9,7 +9,10 @@ from fastapi.responses import JSONResponse, Response
 
 from srt.entrypoints.http_common import error_response, read_json
 from srt.frontend.tokenizer_manager import TokenizerManager
+from srt.transport.io_struct import ANSWERED_ABORT
 from srt.version import __version__
+
+ADMIN_ABORT_MESSAGE = "Request aborted by an administrator (/abort_request)."
 
 
 async def server_info(request: Request) -> JSONResponse:
@@ -57,14 +60,15 @@ def _rids_to_abort(t: TokenizerManager, body: dict) -> list[str]:
 async def abort_request(request: Request) -> Response:
     """Admin (SGLang's endpoint and body, {"rid": ..., "abort_all": false}): abort one
     request by id -- also as an OpenAI response id, chatcmpl-<rid> / cmpl-<rid> -- or
-    all with abort_all. Each ends with the abort message (a stream: its last event)."""
+    all with abort_all. Each is answered as SGLang answers it: 200 with its partial output
+    and finish reason abort carrying the message (a stream: its last event)."""
     t: TokenizerManager = request.app.state.tokenizer_manager
     body = await read_json(request)
     if not isinstance(body, dict) or not (isinstance(body.get("rid"), str) or body.get("abort_all") is True):
         return error_response('Send {"rid": "<request id>"} or {"abort_all": true}.')
     found = [rid for rid in _rids_to_abort(t, body) if _running(t, rid)]
     for rid in found:
-        t.abort_request(rid, "Request aborted by an administrator (/abort_request).")
+        t.abort_request(rid, ADMIN_ABORT_MESSAGE, ANSWERED_ABORT)
     if not found and body.get("abort_all") is not True:
         return error_response(f"No request with id {body['rid']!r} is running.", 404)
     return JSONResponse({"aborted": found})

@@ -4,10 +4,12 @@ so both ranks drop the request in the same step."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import time
 
 import httpx
+import openai
 import pytest
 
 from conftest import _launch_server
@@ -59,3 +61,63 @@ def test_running_timeout_aborts_on_every_rank(timeout_server):
     assert rank0 and rank0 == rank1, "the ranks ran different batches"
     # It ran for a while (3 s of decode steps) and then left both ranks' batches together.
     assert sum("too-long" in line for line in rank0) > 3
+
+
+TIMEOUT_MESSAGE = "SGLANG_REQ_RUNNING_TIMEOUT"
+# Every request of the test runs at once: 13 scheduler requests x (prompt + 250) < the pool.
+TIMED = {"max_new_tokens": 250, "ignore_eos": True}
+
+
+def _native(base: str, body: dict) -> tuple[int, list]:
+    """(status, the stream's data events or [the body])."""
+    if not body.get("stream"):
+        r = httpx.post(base + "/generate", json=body, timeout=120)
+        return r.status_code, [r.json()]
+    with httpx.stream("POST", base + "/generate", json=body, timeout=120) as r:
+        return r.status_code, [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+
+
+def _openai(base: str, kind: str, stream: bool, **kw):
+    """The openai client's answer: the exception it raised (the test expects one)."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
+    try:
+        if kind == "chat":
+            out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "A story."}],
+                                                 max_tokens=250, stream=stream, extra_body={"ignore_eos": True}, **kw)
+        else:
+            out = client.completions.create(model="m", prompt="Once upon a time", max_tokens=250, stream=stream,
+                                            extra_body={"ignore_eos": True}, **kw)
+        list(out) if stream else None
+    except openai.APIError as e:
+        return e
+    return None
+
+
+@pytest.mark.timeout(240)
+def test_a_timeout_is_an_error_on_every_path(timeout_server):
+    """A timeout abort answers as docs/api.md says on every path: a non-streaming request
+    (native, chat, completions; n > 1, a batch) is a 503 naming the limit; an OpenAI stream
+    ends with the 503 error event; a native stream's last event has the abort finish reason
+    with status 503."""
+    base = timeout_server[0]
+    native = {"plain": {"text": "A story.", "sampling_params": TIMED},
+              "n=2": {"text": "A story.", "sampling_params": {**TIMED, "n": 2}},
+              "batch": {"text": ["A story.", "A poem."], "sampling_params": TIMED},
+              "stream": {"text": "A story.", "sampling_params": TIMED, "stream": True}}
+    oai = {"chat": ("chat", False, {}), "chat n=2": ("chat", False, {"n": 2}), "chat stream": ("chat", True, {}),
+           "completions": ("completions", False, {}), "completions stream": ("completions", True, {})}
+    with cf.ThreadPoolExecutor(len(native) + len(oai)) as pool:
+        nat = {k: pool.submit(_native, base, b) for k, b in native.items()}
+        api = {k: pool.submit(_openai, base, *v[:2], **v[2]) for k, v in oai.items()}
+        nat, api = {k: f.result() for k, f in nat.items()}, {k: f.result() for k, f in api.items()}
+    for name in ("plain", "n=2", "batch"):
+        status, (body,) = nat[name]
+        assert status == 503 and TIMEOUT_MESSAGE in body["error"]["message"], (name, body)
+    status, events = nat["stream"]
+    assert status == 200 and events[-1] == "[DONE]", events[-3:]
+    fr = json.loads(events[-2])["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort" and fr["status_code"] == 503 and TIMEOUT_MESSAGE in fr["message"], fr
+    for name, err in api.items():
+        assert err is not None and TIMEOUT_MESSAGE in str(err), (name, err)
+        if not oai[name][1]:  # non-streaming: the HTTP status itself
+            assert isinstance(err, openai.APIStatusError) and err.status_code == 503, (name, err)

@@ -314,3 +314,13 @@ def test_retrieve_a_model(server, client):
     assert card.id == "smollm2" and card.id == client.models.list().data[0].id
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.models.retrieve("meta-llama/" + uuid.uuid4().hex)
+
+
+def test_openai_fields_without_effect_are_accepted_and_others_refused(server, client):
+    r = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=2, user="u", store=False,
+                                       extra_body={"prompt_cache_key": "k", "safety_identifier": "s"})
+    assert r.choices[0].finish_reason == "length"
+    for field, value in (("reasoning_effort", "high"), ("verbosity", "low"), ("functions", [{"name": "f"}])):
+        body = {"model": "smollm2", "messages": CHAT, "max_tokens": 2, field: value}
+        bad = httpx.post(server + "/v1/chat/completions", json=body, timeout=30)
+        assert bad.status_code == 400 and f"{field} is not supported" in bad.json()["error"]["message"], bad.text

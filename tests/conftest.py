@@ -46,8 +46,8 @@ def smollm2_dir() -> str:
 @pytest.fixture(scope="session")
 def tiny_dir(smollm2_dir) -> str:
     """The suite's tiny random-weight model with SmolLM2's tokenizer (tests/tiny_model.py),
-    for every test whose verdict does not depend on trained weights. Built once (~2 s)
-    into ``$GRAMSYNC_CACHE_DIR/tiny``."""
+    for the modules that start their own servers and engines and whose verdict does not
+    depend on trained weights. Built once (~2 s) into ``$GRAMSYNC_CACHE_DIR/tiny``."""
     from srt import environ
     from tiny_model import tiny_model_dir
 
@@ -62,12 +62,12 @@ def smollm2_tokenizer(smollm2_dir):
 
 
 @pytest.fixture(scope="session")
-def fp32_engine(tiny_dir):
-    """An offline Engine (real scheduler process) of the tiny model in float32, shared by the modules that
+def fp32_engine(smollm2_dir):
+    """An offline Engine (real scheduler process) of the real SmolLM2 in float32, shared by the modules that
     compare against references (logprobs, n > 1, the TP=1 greedy ids of the multi-rank tests)."""
     from srt.entrypoints.engine import Engine
 
-    with Engine(model_path=tiny_dir, max_total_tokens=4096, max_running_requests=8,
+    with Engine(model_path=smollm2_dir, max_total_tokens=4096, max_running_requests=8,
                 dtype="float32", random_seed=0) as eng:
         yield eng
 
@@ -145,63 +145,37 @@ SERVER_FLAGS = (["--grammar-backend", "xgrammar", "--enable-custom-logit-process
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory, tiny_dir):
-    """ONE real server of the tiny model (tests/tiny_model.py) shared by the whole session
-    (``smollm2_server``: the same on the real weights): --grammar-backend xgrammar (pinned: the
+def server(tmp_path_factory, smollm2_dir):
+    """ONE real server (the real SmolLM2) shared by the whole session: --grammar-backend xgrammar (pinned: the
     tests using it check xgrammar's behaviour and messages; the default, auto, is
     ``server_auto``), started with --enable-custom-logit-processor and --enable-metrics."""
     # Compiles on the ranks' own threads (GRAMSYNC_GRAMMAR_COMPILE_WORKERS=0): its tests
     # (the TP=1 fuzz, the corpus run) send dozens of grammars under full decode load and
     # bound each answer's latency, while the compile pool, by design, compiles only on idle
     # cores. The pool is tested by test_grammar_pool.py and serves every other server here.
-    yield from _launch_server(tmp_path_factory, tiny_dir, *SERVER_FLAGS)
-
-
-@pytest.fixture(scope="session")
-def tp2_server(tmp_path_factory, tiny_dir):
-    """ONE ``--tp-size 2`` server of the tiny model shared by the session (test_multi_rank_server.py,
-    test_fuzz_requests.py): (base URL, batch-log dir). float32 (greedy ids are compared with
-    TP=1), --enable-metrics, --enable-custom-logit-processor, the default grammar backend
-    (auto); both ranks log their batches into the dir (GRAMSYNC_BATCH_LOG_DIR)."""
-    yield from _tp2(tmp_path_factory, tiny_dir)
-
-
-@pytest.fixture(scope="session")
-def server_llguidance(tmp_path_factory, tiny_dir):
-    """A real server with --grammar-backend llguidance."""
-    yield from _launch_server(tmp_path_factory, tiny_dir, ["--grammar-backend", "llguidance"])
-
-
-@pytest.fixture(scope="session")
-def server_auto(tmp_path_factory, tiny_dir):
-    """A real server with --grammar-backend auto, the default (xgrammar, per-request
-    llguidance fallback)."""
-    yield from _launch_server(tmp_path_factory, tiny_dir, ["--grammar-backend", "auto", *FP32_SERVER])
-
-
-# The same servers on the real SmolLM2, for the tests whose verdict needs trained weights: the
-# model must close a JSON document, a tool call or a sentence by itself (EOS, a stop string,
-# a repetition for penalties to break) within a few dozen tokens; a random model rambles.
-@pytest.fixture(scope="session")
-def smollm2_server(tmp_path_factory, smollm2_dir):
-    """``server``'s flags on the real SmolLM2."""
     yield from _launch_server(tmp_path_factory, smollm2_dir, *SERVER_FLAGS)
 
 
 @pytest.fixture(scope="session")
-def smollm2_server_llguidance(tmp_path_factory, smollm2_dir):
+def tp2_server(tmp_path_factory, smollm2_dir):
+    """ONE ``--tp-size 2`` server (the real SmolLM2) shared by the session (test_multi_rank_server.py,
+    test_fuzz_requests.py): (base URL, batch-log dir). float32 (greedy ids are compared with
+    TP=1), --enable-metrics, --enable-custom-logit-processor, the default grammar backend
+    (auto); both ranks log their batches into the dir (GRAMSYNC_BATCH_LOG_DIR)."""
+    yield from _tp2(tmp_path_factory, smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def server_llguidance(tmp_path_factory, smollm2_dir):
+    """A real server with --grammar-backend llguidance."""
     yield from _launch_server(tmp_path_factory, smollm2_dir, ["--grammar-backend", "llguidance"])
 
 
 @pytest.fixture(scope="session")
-def smollm2_server_auto(tmp_path_factory, smollm2_dir):
+def server_auto(tmp_path_factory, smollm2_dir):
+    """A real server with --grammar-backend auto, the default (xgrammar, per-request
+    llguidance fallback)."""
     yield from _launch_server(tmp_path_factory, smollm2_dir, ["--grammar-backend", "auto", *FP32_SERVER])
-
-
-@pytest.fixture(scope="session")
-def smollm2_tp2_server(tmp_path_factory, smollm2_dir):
-    """``tp2_server``'s flags on the real SmolLM2: (base URL, batch-log dir)."""
-    yield from _tp2(tmp_path_factory, smollm2_dir)
 
 
 def _tp2(tmp_path_factory, model_dir: str):

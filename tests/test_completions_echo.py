@@ -22,7 +22,7 @@ SERVER_DTYPE = torch.float32  # the shared server's (conftest.FP32_SERVER)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dir):
+def reference(smollm2_dir):
     """``reference(ids, dtype)``: log-softmax [T, V] over every position of a token
     sequence, from transformers in that dtype (summed in float64 after the LM head)."""
     from transformers import AutoModelForCausalLM
@@ -31,7 +31,7 @@ def reference(tiny_dir):
 
     def logprobs(ids: list[int], dtype: torch.dtype) -> torch.Tensor:
         if dtype not in models:
-            models[dtype] = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=dtype).eval()
+            models[dtype] = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=dtype).eval()
         with torch.no_grad():
             return torch.log_softmax(models[dtype](torch.tensor([ids])).logits[0].double(), -1)
 

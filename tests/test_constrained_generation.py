@@ -19,14 +19,6 @@ import openai
 import pytest
 
 import grammar_corpus as gc
-from real_weights import real_weights
-
-
-# Its verdicts need trained weights: the real SmolLM2's servers (tests/real_weights.py).
-server = real_weights("server")
-server_llguidance = real_weights("server_llguidance")
-server_auto = real_weights("server_auto")
-
 
 REQUEST_TIMEOUT_S = 240  # per request (a whole corpus shares 2 CPU cores)
 WORKERS = 32

@@ -86,10 +86,10 @@ def test_rank_refuses_a_socket_it_does_not_own(dirs):
     assert "not a socket" in pool_endpoint_problem(f"ipc://{path}")
 
 
-def test_rank_refusing_the_pool_compiles_on_its_own_threads(dirs, tiny_dir, smollm2_tokenizer, caplog):
+def test_rank_refusing_the_pool_compiles_on_its_own_threads(dirs, smollm2_dir, smollm2_tokenizer, caplog):
     from constrained.registry import create_grammar_backend
 
-    args = ServerArgs(model_path=tiny_dir, grammar_backend="xgrammar", log_level="warning")
+    args = ServerArgs(model_path=smollm2_dir, grammar_backend="xgrammar", log_level="warning")
     bad = _dir(dirs, 0o755)
     for local_rank in (0, 1):  # the first rank would also have started the service there
         rank = RankInfo(tp_rank=local_rank, tp_size=2, world_rank=local_rank, world_size=2,
@@ -111,8 +111,8 @@ def test_rank_refusing_the_pool_compiles_on_its_own_threads(dirs, tiny_dir, smol
 
 
 # ---- (3) the service refuses to bind ------------------------------------------------------
-def test_service_refuses_a_directory_that_fails_the_check(dirs, tiny_dir, capfd):
-    args = ServerArgs(model_path=tiny_dir, grammar_backend="xgrammar", log_level="warning")
+def test_service_refuses_a_directory_that_fails_the_check(dirs, smollm2_dir, capfd):
+    args = ServerArgs(model_path=smollm2_dir, grammar_backend="xgrammar", log_level="warning")
     open_dir = _dir(dirs, 0o755)
     with pytest.raises(PermissionError, match="mode 755"):
         PoolService(PoolConfig(args, VOCAB, EOS, 0, open_dir, pool_socket_address(open_dir), 1, 3.0), None)
@@ -204,7 +204,7 @@ def _unix_paths(proc: psutil.Process) -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_pool_planted_at_the_old_path_gets_nothing(tmp_path, dirs, tiny_dir, monkeypatch):
+def test_pool_planted_at_the_old_path_gets_nothing(tmp_path, dirs, smollm2_dir, monkeypatch):
     import srt.entrypoints.engine as engine_mod
     from srt.entrypoints.engine import Engine
     from srt.transport.io_struct import PortArgs
@@ -220,7 +220,7 @@ def test_pool_planted_at_the_old_path_gets_nothing(tmp_path, dirs, tiny_dir, mon
         monkeypatch.setattr(engine_mod, "new_port_args", lambda *a: port_args)
         monkeypatch.setenv("GRAMSYNC_GRAMMAR_COMPILE_WORKERS", "1")
         before = _pool_services(psutil.Process())  # a session-wide Engine's pool is not ours
-        with Engine(model_path=tiny_dir, grammar_backend="xgrammar", max_total_tokens=2048,
+        with Engine(model_path=smollm2_dir, grammar_backend="xgrammar", max_total_tokens=2048,
                     max_running_requests=4, log_level="warning", random_seed=0) as eng:
             out = eng.generate("Give me a person as JSON:", {
                 "json_schema": json.dumps(PERSON), "max_new_tokens": 48, "temperature": 0})

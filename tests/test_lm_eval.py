@@ -27,14 +27,8 @@ import pytest
 import torch
 
 from process_helpers import stop_process_group
-from real_weights import real_weights
 
 pytest.importorskip("lm_eval", reason="lm-eval is in the dev extras: pip install -e '.[dev]'")
-
-
-# Its verdicts need trained weights: the real SmolLM2's servers (tests/real_weights.py).
-server = real_weights("server")
-
 
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
 DATA = {"gramsync_mc": "gramsync_mc.jsonl", "gramsync_rolling": "gramsync_rolling.jsonl",

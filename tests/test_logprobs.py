@@ -20,11 +20,11 @@ def engine(fp32_engine):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dir):
+def reference(smollm2_dir):
     """float64 logprobs [T, V] of every position of a token sequence."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float64)
     model.eval()
 
     def logits(ids: list[int]) -> torch.Tensor:
@@ -149,7 +149,7 @@ def test_bad_logprob_fields_are_rejected(engine):
         engine.generate("Hi", {"max_new_tokens": 1}, top_logprobs_num=2)
 
 
-def test_raw_mode_reports_the_model_distribution(tiny_dir, smollm2_tokenizer, reference):
+def test_raw_mode_reports_the_model_distribution(smollm2_dir, smollm2_tokenizer, reference):
     """--logprobs-mode raw_logprobs ignores penalties, masks and temperature."""
     from distributed.parallel_state import SINGLE_RANK, RankInfo
     from sampling.sampling_params import SamplingParams
@@ -158,9 +158,9 @@ def test_raw_mode_reports_the_model_distribution(tiny_dir, smollm2_tokenizer, re
     from srt.model_config import ModelConfig
     from srt.server_args import ServerArgs
 
-    args = ServerArgs(model_path=tiny_dir, dtype="float32", random_seed=0, max_total_tokens=1024,
+    args = ServerArgs(model_path=smollm2_dir, dtype="float32", random_seed=0, max_total_tokens=1024,
                       logprobs_mode="raw_logprobs")
-    s = Scheduler(args, RankInfo(), SINGLE_RANK, ModelConfig.from_path(tiny_dir, None), smollm2_tokenizer)
+    s = Scheduler(args, RankInfo(), SINGLE_RANK, ModelConfig.from_path(smollm2_dir, None), smollm2_tokenizer)
     ids = tuple(_ids(smollm2_tokenizer, "Pick a number:"))
     params = SamplingParams(max_new_tokens=3, temperature=0.3, seed=1, regex="[0-9]{3}",
                             frequency_penalty=1.5)

@@ -47,11 +47,11 @@ RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "sch
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def pp_server(request, tmp_path_factory, tiny_dir):
+def pp_server(request, tmp_path_factory, smollm2_dir):
     """(base, log_dir, ranks) of a float32 server of the layout; every rank logs its batches."""
     flags, ranks = LAYOUTS[request.param]
     log_dir = tmp_path_factory.mktemp(f"{request.param}_batches")
-    for base in _launch_server(tmp_path_factory, tiny_dir, [*flags, "--dtype", "float32"],
+    for base in _launch_server(tmp_path_factory, smollm2_dir, [*flags, "--dtype", "float32"],
                                env={"GRAMSYNC_BATCH_LOG_DIR": str(log_dir)}):
         yield SimpleNamespace(base=base, log_dir=log_dir, ranks=ranks)
 

@@ -9,14 +9,8 @@ import openai
 import pytest
 
 from sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
-from real_weights import real_weights
 
 pytestmark = pytest.mark.timeout(180)
-
-
-# Its verdicts need trained weights: the real SmolLM2's servers (tests/real_weights.py).
-server = real_weights("server")
-
 
 REPEAT = "Repeat after me: the the the the"  # greedy repeats " the" forever
 FRANCE = "The capital of France is"  # greedy starts with " Paris"

@@ -14,15 +14,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 from test_metrics import samples, value
-from real_weights import real_weights
 
 pytestmark = pytest.mark.timeout(240)  # fixture setup (a server start) counts
-
-
-# Its verdicts need trained weights: the real SmolLM2's servers (tests/real_weights.py).
-server = real_weights("server")
-server_auto = real_weights("server_auto")
-
 
 TAGS_PROMPT = "List three tags for a blog post about cats as JSON."
 # Three tags from a two-word vocabulary, all different: every document breaks uniqueItems,

@@ -20,13 +20,6 @@ import openai
 import pytest
 
 from test_tag_guarantee import KEYWORD_SCHEMAS
-from real_weights import real_weights
-
-
-# Its verdicts need trained weights: the real SmolLM2's servers (tests/real_weights.py).
-server_auto = real_weights("server_auto")
-tp2_server = real_weights("tp2_server")
-
 
 NEVER = {"type": "object", "properties": {"word": {"type": "string", "not": {"type": "string"}}},
          "required": ["word"]}

@@ -13,13 +13,6 @@ import json
 import jsonschema
 import openai
 import pytest
-from real_weights import real_weights
-
-
-# Its verdicts need trained weights: the real SmolLM2's servers (tests/real_weights.py).
-server = real_weights("server")
-server_llguidance = real_weights("server_llguidance")
-
 
 PARAMS = {"type": "object", "properties": {"city": {"enum": ["Paris", "London"]},
                                            "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -1,5 +1,7 @@
 """The suite's tiny model: SmolLM2's tokenizer, vocabulary and chat template on a small
-random-weight Llama, for every test whose verdict does not depend on trained weights.
+random-weight Llama, for tests whose verdict does not depend on trained weights. Today the
+modules that start their own servers and engines use it; the session's shared servers still
+serve the real SmolLM2 (docs/testing.md, "The tiny model", says why).
 
 Built in-process from a transformers ``LlamaConfig`` with a fixed seed and written as an
 ordinary Hugging Face directory (``save_pretrained`` writes the hub's tensor names), so

@@ -44,17 +44,6 @@ def smollm2_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(smollm2_dir) -> str:
-    """The suite's tiny random-weight model with SmolLM2's tokenizer (tests/tiny_model.py),
-    for the modules that start their own servers and engines and whose verdict does not
-    depend on trained weights. Built once (~2 s) into ``$GRAMSYNC_CACHE_DIR/tiny``."""
-    from srt import environ
-    from tiny_model import tiny_model_dir
-
-    return tiny_model_dir(smollm2_dir, environ.GRAMSYNC_CACHE_DIR.get())
-
-
-@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 
@@ -63,7 +52,7 @@ def smollm2_tokenizer(smollm2_dir):
 
 @pytest.fixture(scope="session")
 def fp32_engine(smollm2_dir):
-    """An offline Engine (real scheduler process) of the real SmolLM2 in float32, shared by the modules that
+    """An offline Engine (real scheduler process) in float32, shared by the modules that
     compare against references (logprobs, n > 1, the TP=1 greedy ids of the multi-rank tests)."""
     from srt.entrypoints.engine import Engine
 
@@ -139,30 +128,34 @@ def _wait_healthy(proc, base: str, log_path) -> bool:
 # CPU has AVX512-BF16) does not keep equal (measured on an AMX Xeon: flaky greedy ties, one
 # prompt logprob 0.35 nats off transformers' bf16).
 FP32_SERVER = ("--dtype", "float32")
-# ``server``'s flags and environment (see its docstring).
-SERVER_FLAGS = (["--grammar-backend", "xgrammar", "--enable-custom-logit-processor", "--enable-metrics",
-                 *FP32_SERVER], {"GRAMSYNC_GRAMMAR_COMPILE_WORKERS": "0"})
 
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, smollm2_dir):
-    """ONE real server (the real SmolLM2) shared by the whole session: --grammar-backend xgrammar (pinned: the
+    """ONE real server shared by the whole session: --grammar-backend xgrammar (pinned: the
     tests using it check xgrammar's behaviour and messages; the default, auto, is
     ``server_auto``), started with --enable-custom-logit-processor and --enable-metrics."""
     # Compiles on the ranks' own threads (GRAMSYNC_GRAMMAR_COMPILE_WORKERS=0): its tests
     # (the TP=1 fuzz, the corpus run) send dozens of grammars under full decode load and
     # bound each answer's latency, while the compile pool, by design, compiles only on idle
     # cores. The pool is tested by test_grammar_pool.py and serves every other server here.
-    yield from _launch_server(tmp_path_factory, smollm2_dir, *SERVER_FLAGS)
+    yield from _launch_server(tmp_path_factory, smollm2_dir,
+                              ["--grammar-backend", "xgrammar", "--enable-custom-logit-processor",
+                               "--enable-metrics", *FP32_SERVER], {"GRAMSYNC_GRAMMAR_COMPILE_WORKERS": "0"})
 
 
 @pytest.fixture(scope="session")
 def tp2_server(tmp_path_factory, smollm2_dir):
-    """ONE ``--tp-size 2`` server (the real SmolLM2) shared by the session (test_multi_rank_server.py,
+    """ONE ``--tp-size 2`` server shared by the session (test_multi_rank_server.py,
     test_fuzz_requests.py): (base URL, batch-log dir). float32 (greedy ids are compared with
     TP=1), --enable-metrics, --enable-custom-logit-processor, the default grammar backend
     (auto); both ranks log their batches into the dir (GRAMSYNC_BATCH_LOG_DIR)."""
-    yield from _tp2(tmp_path_factory, smollm2_dir)
+    log_dir = str(tmp_path_factory.mktemp("tp2_batches"))
+    for base in _launch_server(tmp_path_factory, smollm2_dir,
+                               ["--tp-size", "2", "--enable-metrics", "--enable-custom-logit-processor",
+                                "--dtype", "float32"],
+                               env={"GRAMSYNC_BATCH_LOG_DIR": log_dir}):
+        yield base, log_dir
 
 
 @pytest.fixture(scope="session")
@@ -176,16 +169,6 @@ def server_auto(tmp_path_factory, smollm2_dir):
     """A real server with --grammar-backend auto, the default (xgrammar, per-request
     llguidance fallback)."""
     yield from _launch_server(tmp_path_factory, smollm2_dir, ["--grammar-backend", "auto", *FP32_SERVER])
-
-
-def _tp2(tmp_path_factory, model_dir: str):
-    """(base URL, batch-log dir) of a TP=2 server of ``model_dir`` (the tp2 fixtures' flags)."""
-    log_dir = str(tmp_path_factory.mktemp("tp2_batches"))
-    for base in _launch_server(tmp_path_factory, model_dir,
-                               ["--tp-size", "2", "--enable-metrics", "--enable-custom-logit-processor",
-                                "--dtype", "float32"],
-                               env={"GRAMSYNC_BATCH_LOG_DIR": log_dir}):
-        yield base, log_dir
 
 
 def pytest_collection_modifyitems(config, items):

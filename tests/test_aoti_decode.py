@@ -25,19 +25,19 @@ from srt.mem_cache.memory_pool import MHATokenToKVPool
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_dir):
+def runner(smollm2_dir):
     from distributed.parallel_state import SINGLE_RANK, RankInfo
     from srt.model_config import ModelConfig
     from srt.model_runner import ModelRunner
     from srt.server_args import ServerArgs, parse_model_overrides
 
     overrides = '{"num_hidden_layers": 1}'
-    args = ServerArgs(model_path=tiny_dir, dtype="float32", max_running_requests=4, max_total_tokens=256,
+    args = ServerArgs(model_path=smollm2_dir, dtype="float32", max_running_requests=4, max_total_tokens=256,
                       json_model_override_args=overrides, disable_torch_compile=True)
     old = os.environ.get("GRAMSYNC_CPU_PACKED_LINEAR")
     os.environ["GRAMSYNC_CPU_PACKED_LINEAR"] = "0"  # plain weights, as wherever the step compiles
     try:
-        return ModelRunner(args, ModelConfig.from_path(tiny_dir, None, parse_model_overrides(overrides)),
+        return ModelRunner(args, ModelConfig.from_path(smollm2_dir, None, parse_model_overrides(overrides)),
                            RankInfo(), SINGLE_RANK)
     finally:
         if old is None:
@@ -125,7 +125,7 @@ def test_a_folder_of_its_own_is_removed_once_loaded(runner):
 
 
 @pytest.mark.timeout(600)
-def test_cpu_int4_model_builds_a_package_that_matches_its_eager_step(tiny_dir, tmp_path):
+def test_cpu_int4_model_builds_a_package_that_matches_its_eager_step(smollm2_dir, tmp_path):
     """``--torchao-config int4wo-32`` on CPU (int4 decoder, int8 LM head: torch's own ops on
     plain tensors) exports and compiles like the plain model, and the package's logits are
     the eager int4 step's."""
@@ -137,10 +137,10 @@ def test_cpu_int4_model_builds_a_package_that_matches_its_eager_step(tiny_dir, t
     from srt.server_args import ServerArgs, parse_model_overrides
 
     overrides = '{"num_hidden_layers": 1}'
-    args = ServerArgs(model_path=tiny_dir, dtype="float32", max_running_requests=2, max_total_tokens=256,
+    args = ServerArgs(model_path=smollm2_dir, dtype="float32", max_running_requests=2, max_total_tokens=256,
                       json_model_override_args=overrides, disable_torch_compile=True,
                       torchao_config="int4wo-32")
-    runner = ModelRunner(args, ModelConfig.from_path(tiny_dir, None, parse_model_overrides(overrides)),
+    runner = ModelRunner(args, ModelConfig.from_path(smollm2_dir, None, parse_model_overrides(overrides)),
                          RankInfo(), SINGLE_RANK)
     assert isinstance(runner.model.lm_head.packed_weight, Int8Weight)
     packages = DecodePackages(str(tmp_path), runner.attn_backend, "[test]")

@@ -138,10 +138,10 @@ def _wait_for(log_path, pattern: re.Pattern, timeout: float) -> re.Match:
 
 
 @pytest.mark.timeout(900)
-def test_first_start_builds_aside_and_a_restart_loads_the_build(tmp_path, tmp_path_factory, tiny_dir):
+def test_first_start_builds_aside_and_a_restart_loads_the_build(tmp_path, tmp_path_factory, smollm2_dir):
     env = {"GRAMSYNC_COMPILE_CACHE_DIR": str(tmp_path / "compile")}
     logs: list = []
-    for base in _launch_server(tmp_path_factory, tiny_dir, ARGS, env, log_paths=logs):
+    for base in _launch_server(tmp_path_factory, smollm2_dir, ARGS, env, log_paths=logs):
         log = logs[-1]
         started = _wait_for(log, re.compile(r"compile builder started \(pid (\d+)"), 60)
         pid = int(started.group(1))
@@ -161,7 +161,7 @@ def test_first_start_builds_aside_and_a_restart_loads_the_build(tmp_path, tmp_pa
     # --max-running-requests 3: the batch-1 graph and the one for 2-3 rows
     assert {"decode-1.pt2", "decode-2-3.pt2"} <= set(os.listdir(tmp_path / "compile" / folders[0]))
 
-    for base in _launch_server(tmp_path_factory, tiny_dir, ARGS, env, log_paths=logs):
+    for base in _launch_server(tmp_path_factory, smollm2_dir, ARGS, env, log_paths=logs):
         log = logs[-1]
         m = _wait_for(log, READY, 300)
         text = log.read_text()

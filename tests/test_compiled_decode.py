@@ -59,14 +59,14 @@ def _greedy(sched, tokenizer, prompts, tag) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def schedulers(tiny_dir, smollm2_tokenizer):
+def schedulers(smollm2_dir, smollm2_tokenizer):
     torch.set_grad_enabled(False)
     # TP=1: compiles in the background thread; one compile for the module. Without the
     # compile cache: the builder process and the cache are test_compile_cache.py's, and
     # the builder would add its own compile (~2 minutes) before this one.
     with mock.patch.dict(os.environ, {"GRAMSYNC_COMPILE_CACHE": "0"}):
-        compiled = _scheduler(tiny_dir, smollm2_tokenizer, enable_torch_compile=True)
-    eager = _scheduler(tiny_dir, smollm2_tokenizer, disable_torch_compile=True)
+        compiled = _scheduler(smollm2_dir, smollm2_tokenizer, enable_torch_compile=True)
+    eager = _scheduler(smollm2_dir, smollm2_tokenizer, disable_torch_compile=True)
     return compiled, eager
 
 
@@ -97,7 +97,7 @@ def test_fp32_greedy_identical_with_and_without_compile(schedulers, smollm2_toke
     assert compiled.runner.compiled_decode.ready  # no fallback to eager happened on the way
 
 
-def test_batches_past_max_bs_run_eagerly(tiny_dir, smollm2_tokenizer, schedulers):
+def test_batches_past_max_bs_run_eagerly(smollm2_dir, smollm2_tokenizer, schedulers):
     compiled, _ = schedulers
     cd = compiled.runner.compiled_decode
     assert cd.max_bs == 8  # min(--torch-compile-max-bs, --max-running-requests)

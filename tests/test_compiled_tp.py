@@ -34,18 +34,18 @@ pytestmark = pytest.mark.timeout(900)  # two ranks compile on 2 cores: ~3 minute
 
 
 @pytest.fixture(scope="module")
-def compiled_tp2(tmp_path_factory, tiny_dir):
+def compiled_tp2(tmp_path_factory, smollm2_dir):
     log_dir = tmp_path_factory.mktemp("compiled_tp2_batches")
     logs: list = []
     args = ["--tp-size", "2", *FP32_SERVER, "--enable-torch-compile", "--max-running-requests",
             str(MAX_RUNNING), "--json-model-override-args", OVERRIDES]
-    for base in _launch_server(tmp_path_factory, tiny_dir, args,
+    for base in _launch_server(tmp_path_factory, smollm2_dir, args,
                                {"GRAMSYNC_BATCH_LOG_DIR": str(log_dir)}, log_paths=logs):
         yield base, log_dir, logs[0]
 
 
 @pytest.fixture(scope="module")
-def tp1_reference(tiny_dir, smollm2_tokenizer):
+def tp1_reference(smollm2_dir, smollm2_tokenizer):
     """TP=1, eager, same layers and dtype: {prompt ids: greedy ids}."""
     from distributed.parallel_state import SINGLE_RANK, RankInfo
     from sampling.sampling_params import SamplingParams
@@ -54,10 +54,10 @@ def tp1_reference(tiny_dir, smollm2_tokenizer):
     from srt.server_args import ServerArgs, parse_model_overrides
     from srt.transport.io_struct import TokenizedGenerateReq
 
-    args = ServerArgs(model_path=tiny_dir, dtype="float32", max_running_requests=1,
+    args = ServerArgs(model_path=smollm2_dir, dtype="float32", max_running_requests=1,
                       max_total_tokens=4096, json_model_override_args=OVERRIDES, disable_torch_compile=True)
     sched = Scheduler(args, RankInfo(), SINGLE_RANK,
-                      ModelConfig.from_path(tiny_dir, None, parse_model_overrides(OVERRIDES)), smollm2_tokenizer)
+                      ModelConfig.from_path(smollm2_dir, None, parse_model_overrides(OVERRIDES)), smollm2_tokenizer)
     params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True})
     out = {}
     for i, text in enumerate(PROMPTS):

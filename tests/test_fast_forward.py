@@ -95,8 +95,8 @@ def _requests(tokenizer, tag: str, **params) -> list[TokenizedGenerateReq]:
     return out
 
 
-def _run(tiny_dir, tokenizer, backend: str, fast_forward: bool, tag: str, **params):
-    s = make_scheduler(tiny_dir, tokenizer, max_total_tokens=4096, max_running_requests=8,
+def _run(smollm2_dir, tokenizer, backend: str, fast_forward: bool, tag: str, **params):
+    s = make_scheduler(smollm2_dir, tokenizer, max_total_tokens=4096, max_running_requests=8,
                        grammar_backend=backend, disable_torch_compile=True,
                        disable_grammar_fast_forward=not fast_forward)
     outs = run_until_done(s, {0: _requests(tokenizer, tag, **params)})
@@ -119,10 +119,10 @@ def test_greedy_output_same_with_and_without_fast_forward(backend, smollm2_dir, 
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
-def test_seeded_sampling_with_fast_forward_is_reproducible(tiny_dir, smollm2_tokenizer):
+def test_seeded_sampling_with_fast_forward_is_reproducible(smollm2_dir, smollm2_tokenizer):
     params = {"temperature": 0.9, "seed": 7, "frequency_penalty": 0.3}
-    s1, a = _run(tiny_dir, smollm2_tokenizer, "llguidance", True, "s", **params)
-    s2, b = _run(tiny_dir, smollm2_tokenizer, "llguidance", True, "s", **params)
+    s1, a = _run(smollm2_dir, smollm2_tokenizer, "llguidance", True, "s", **params)
+    s2, b = _run(smollm2_dir, smollm2_tokenizer, "llguidance", True, "s", **params)
     assert s1.step_stats.fast_forward_tokens > 0
     assert {k: v["ids"] for k, v in a.items()} == {k: v["ids"] for k, v in b.items()}
     for v in a.values():
@@ -130,7 +130,7 @@ def test_seeded_sampling_with_fast_forward_is_reproducible(tiny_dir, smollm2_tok
             jsonschema.validate(json.loads(smollm2_tokenizer.decode(v["ids"], skip_special_tokens=True)), SCHEMA)
 
 
-def test_forced_tokens_count_in_penalties_and_positions(tiny_dir, smollm2_tokenizer):
+def test_forced_tokens_count_in_penalties_and_positions(smollm2_dir, smollm2_tokenizer):
     from sampling.sampling_batch_info import SamplingBatchInfo
     from srt.scheduler.req import Req
 

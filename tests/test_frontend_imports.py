@@ -24,8 +24,8 @@ print(sorted(m for m in ("torch", "xgrammar") if m in sys.modules))
 """
 
 
-def test_the_frontend_starts_without_torch(tiny_dir):
-    out = subprocess.run([sys.executable, "-c", FRONTEND_START, tiny_dir], cwd=ROOT,
+def test_the_frontend_starts_without_torch(smollm2_dir):
+    out = subprocess.run([sys.executable, "-c", FRONTEND_START, smollm2_dir], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

@@ -84,12 +84,12 @@ def _refused(response: httpx.Response) -> bool:
     return response.status_code == 503 and response.json()["error"]["message"] == SHUTTING_DOWN
 
 
-def _start(tmp_path, tiny_dir, *flags: str):
+def _start(tmp_path, smollm2_dir, *flags: str):
     port = _free_port()
     log_path = tmp_path / "server.log"
     # A temp folder of its own: the exit is checked to leave no IPC folder behind.
     (tmp_path / "tmp").mkdir()
-    proc = _popen(_launch_cmd(tiny_dir, port, *FLAGS, *flags), log_path,
+    proc = _popen(_launch_cmd(smollm2_dir, port, *FLAGS, *flags), log_path,
                   env={"TMPDIR": str(tmp_path / "tmp")})
     return proc, f"http://127.0.0.1:{port}", log_path
 
@@ -154,8 +154,8 @@ def test_sigterm_drains_then_ends_the_rest_tp1(tmp_path, smollm2_dir):
 
 
 @pytest.mark.timeout(180)
-def test_sigterm_tp2_finishes_the_running_stream_and_exits_0(tmp_path, tiny_dir):
-    proc, base, log_path = _start(tmp_path, tiny_dir, "--tp-size", "2", "--graceful-shutdown-timeout", "20")
+def test_sigterm_tp2_finishes_the_running_stream_and_exits_0(tmp_path, smollm2_dir):
+    proc, base, log_path = _start(tmp_path, smollm2_dir, "--tp-size", "2", "--graceful-shutdown-timeout", "20")
     group: list[psutil.Process] = []
     try:
         _wait_healthy(proc, base, log_path)

@@ -44,7 +44,7 @@ LAYOUTS = {"tp2": (["--tp-size", "2"], ("DP0_TP0", "DP0_TP1")),
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def skew_server(request, tmp_path_factory, tiny_dir):
+def skew_server(request, tmp_path_factory, smollm2_dir):
     """(client, batch-log dir, rankskew log dir, the two ranks' names: world rank 0, 1)."""
     flags, ranks = LAYOUTS[request.param]
     logs = tmp_path_factory.mktemp("batch_logs")
@@ -56,7 +56,7 @@ def skew_server(request, tmp_path_factory, tiny_dir):
             "--grammar-backend", "rankskew",
             "--constrained-json-max-whitespace", "2",  # JSON outputs end within max_new_tokens
             "--enable-mixed-chunk"]  # arrivals prefill beside the running requests' decode rows
-    for base in _launch_server(tmp_path_factory, tiny_dir, args, env):
+    for base in _launch_server(tmp_path_factory, smollm2_dir, args, env):
         with httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT_S,
                           limits=httpx.Limits(max_connections=32)) as client:
             yield client, logs, skew_logs, ranks

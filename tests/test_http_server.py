@@ -57,13 +57,9 @@ def test_completion_and_stream(server, client, smollm2_tokenizer):
 
 
 def test_stop_string_is_not_shown(server, client):
-    # The stop string is cut from what greedy writes anyway: the verdict holds for any weights.
-    free = client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=12, temperature=0)
-    text = free.choices[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
-    r = client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=[stop])
+    r = client.completions.create(model="smollm2", prompt="1, 2, 3,", max_tokens=12, temperature=0, stop=[" 5"])
     assert r.choices[0].finish_reason == "stop"
-    assert r.choices[0].text == text[:text.index(stop)]
+    assert r.choices[0].text == " 4,"
 
 
 def test_generate_native(server, smollm2_tokenizer):

@@ -17,6 +17,14 @@ from process_helpers import stop_process_group
 # Every server and Engine a test starts would otherwise compile its decode step in the
 # background (a minute of both cores each); tests of the compiled step ask for it explicitly.
 os.environ.setdefault("GRAMSYNC_TORCH_COMPILE_AUTO", "0")
+# The processes tests start use glibc's allocator. mimalloc (the default) backs the weights
+# and the KV pool with transparent huge pages, and on a machine whose memory is fragmented
+# (a CI machine some minutes into the suite) faulting them in stalls in the kernel's
+# compaction: a server start measured 12.7-13.4 s with mimalloc against 5.7-6.1 s without,
+# on the same machine minutes apart. The allocator changes no result; the shared `server`
+# and `fp32_engine` keep the default, and test_cpu_allocator.py checks that they map it.
+os.environ.setdefault("GRAMSYNC_MALLOC", "system")
+MIMALLOC = {"GRAMSYNC_MALLOC": "mimalloc"}
 # Compiled steps go to a folder of this test session's own: no test loads what an earlier
 # run, or a developer's server, built (tests that need another folder set their own).
 os.environ["GRAMSYNC_COMPILE_CACHE_DIR"] = _COMPILE_CACHE = tempfile.mkdtemp(prefix="gramsync-test-compile-")
@@ -44,6 +52,18 @@ def smollm2_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_dir(smollm2_dir) -> str:
+    """The suite's tiny random-weight model with SmolLM2's tokenizer (tests/tiny_model.py),
+    for the modules that start their own schedulers, engines or servers and whose verdicts
+    do not depend on trained weights (docs/testing.md lists them). Built once (~2 s) into
+    ``$GRAMSYNC_CACHE_DIR/tiny``."""
+    from srt import environ
+    from tiny_model import tiny_model_dir
+
+    return tiny_model_dir(smollm2_dir, environ.GRAMSYNC_CACHE_DIR.get())
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 
@@ -56,8 +76,14 @@ def fp32_engine(smollm2_dir):
     compare against references (logprobs, n > 1, the TP=1 greedy ids of the multi-rank tests)."""
     from srt.entrypoints.engine import Engine
 
-    with Engine(model_path=smollm2_dir, max_total_tokens=4096, max_running_requests=8,
-                dtype="float32", random_seed=0) as eng:
+    before = os.environ.get("GRAMSYNC_MALLOC")
+    os.environ.update(MIMALLOC)  # the default allocator, for its ranks (read at their spawn)
+    try:
+        eng = Engine(model_path=smollm2_dir, max_total_tokens=4096, max_running_requests=8,
+                     dtype="float32", random_seed=0)
+    finally:
+        os.environ["GRAMSYNC_MALLOC"] = before if before is not None else "system"
+    with eng:
         yield eng
 
 
@@ -141,7 +167,8 @@ def server(tmp_path_factory, smollm2_dir):
     # cores. The pool is tested by test_grammar_pool.py and serves every other server here.
     yield from _launch_server(tmp_path_factory, smollm2_dir,
                               ["--grammar-backend", "xgrammar", "--enable-custom-logit-processor",
-                               "--enable-metrics", *FP32_SERVER], {"GRAMSYNC_GRAMMAR_COMPILE_WORKERS": "0"})
+                               "--enable-metrics", *FP32_SERVER],
+                              {"GRAMSYNC_GRAMMAR_COMPILE_WORKERS": "0", **MIMALLOC})
 
 
 @pytest.fixture(scope="session")

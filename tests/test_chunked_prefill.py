@@ -39,14 +39,14 @@ def _modes(sched, arrivals):
 
 
 @pytest.fixture(scope="module")
-def chunked(smollm2_dir, smollm2_tokenizer):
-    return make_scheduler(smollm2_dir, smollm2_tokenizer, max_total_tokens=4096,
+def chunked(tiny_dir, smollm2_tokenizer):
+    return make_scheduler(tiny_dir, smollm2_tokenizer, max_total_tokens=4096,
                           max_running_requests=8, chunked_prefill_size=128, disable_radix_cache=True)
 
 
 @pytest.fixture(scope="module")
-def whole(smollm2_dir, smollm2_tokenizer):
-    return make_scheduler(smollm2_dir, smollm2_tokenizer, max_total_tokens=4096,
+def whole(tiny_dir, smollm2_tokenizer):
+    return make_scheduler(tiny_dir, smollm2_tokenizer, max_total_tokens=4096,
                           max_running_requests=8, chunked_prefill_size=-1, disable_radix_cache=True)
 
 

@@ -39,3 +39,32 @@ def test_a_lock_left_by_a_killed_builder_does_not_hang_the_next_load():
             os.remove(stale)
     assert "loaded True" in done.stdout, done.stderr[-2000:]
     assert "left by a kernel build that was killed" in done.stderr
+
+
+def test_dynamo_constant_marks_a_function_as_torch_compiler_does():
+    """cpu_kernels.dynamo_constant stands in for torch.compiler.assume_constant_result so
+    that a rank's start need not import Dynamo: both must leave the same marks."""
+    import torch
+
+    from srt.layers.cpu_kernels import dynamo_constant
+
+    def ours():
+        return True
+
+    def torchs():
+        return True
+
+    dynamo_constant(ours)
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(ours) == vars(torchs) == {"_dynamo_marked_constant": True}
+
+
+def test_a_ranks_modules_load_without_dynamo():
+    """Dynamo costs 1.5 s of CPU to import; eager ranks never trace, so the modules a rank
+    imports at its start (scheduler_process._RANK_MODULES) must not pull it in."""
+    code = ("import importlib, sys; from srt.scheduler.scheduler_process import _RANK_MODULES; "
+            "[importlib.import_module(m) for m in _RANK_MODULES]; import srt.model_loader; "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

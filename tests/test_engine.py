@@ -9,8 +9,8 @@ from srt import Engine
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_dir):
-    with Engine(model_path=smollm2_dir, max_total_tokens=2048, max_running_requests=8, dtype="float32",
+def engine(tiny_dir):
+    with Engine(model_path=tiny_dir, max_total_tokens=2048, max_running_requests=8, dtype="float32",
                 random_seed=0) as eng:
         yield eng
     assert not any(p.is_alive() for p in eng._handles.procs), "scheduler outlived the Engine"

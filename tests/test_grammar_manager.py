@@ -36,10 +36,10 @@ class GatedBackend(BaseGrammarBackend):
 
 
 @pytest.fixture(scope="module")
-def sched(smollm2_dir, smollm2_tokenizer):
+def sched(tiny_dir, smollm2_tokenizer):
     register_grammar_backend("gated", lambda tok, cfg: GatedBackend(XGrammarGrammarBackend.from_tokenizer(tok, cfg)))
     try:
-        s = make_scheduler(smollm2_dir, smollm2_tokenizer, max_total_tokens=2048, grammar_backend="gated")
+        s = make_scheduler(tiny_dir, smollm2_tokenizer, max_total_tokens=2048, grammar_backend="gated")
     finally:
         GRAMMAR_BACKEND_REGISTRY.pop("gated")
     yield s

@@ -63,9 +63,9 @@ def test_exported_grammar_loads_back_and_constrains_alike(make, smollm2_tokenize
 
 
 @pytest.fixture(scope="module")
-def pool(smollm2_dir, smollm2_tokenizer):
+def pool(tiny_dir, smollm2_tokenizer):
     """A real pool service (2 workers, 3 s timeout) and the rank-side backend it serves."""
-    args = ServerArgs(model_path=smollm2_dir, grammar_backend="xgrammar", log_level="warning")
+    args = ServerArgs(model_path=tiny_dir, grammar_backend="xgrammar", log_level="warning")
     directory = new_pool_dir()
     address = pool_socket_address(directory)
     service = start_pool_service(PoolConfig(args, VOCAB, EOS, 0, directory, address, 2, 3.0))

@@ -26,13 +26,13 @@ def _scheduler(dir_, tok, mixed: bool, **kw):
 
 
 @pytest.fixture(scope="module")
-def mixed(smollm2_dir, smollm2_tokenizer):
-    return _scheduler(smollm2_dir, smollm2_tokenizer, True)
+def mixed(tiny_dir, smollm2_tokenizer):
+    return _scheduler(tiny_dir, smollm2_tokenizer, True)
 
 
 @pytest.fixture(scope="module")
-def alternating(smollm2_dir, smollm2_tokenizer):
-    return _scheduler(smollm2_dir, smollm2_tokenizer, False)
+def alternating(tiny_dir, smollm2_tokenizer):
+    return _scheduler(tiny_dir, smollm2_tokenizer, False)
 
 
 def _json_req(tok, rid, prompt, **params):
@@ -108,12 +108,12 @@ def test_abort_mid_prompt_in_a_mixed_step_frees_everything(mixed, smollm2_tokeni
     assert "MIXED" in {m for m, _ in modes}
 
 
-def test_tight_kv_pool_outputs_equal_a_roomy_one(smollm2_dir, smollm2_tokenizer):
+def test_tight_kv_pool_outputs_equal_a_roomy_one(tiny_dir, smollm2_tokenizer):
     """A pool too small for the long prompt next to the running requests' reservations: it
     waits, mixes in once they leave room, and every output equals a roomy run's."""
     tok = smollm2_tokenizer
-    tight = _scheduler(smollm2_dir, tok, True, max_total_tokens=560, max_running_requests=4)
-    roomy = _scheduler(smollm2_dir, tok, True, max_total_tokens=4096, max_running_requests=4)
+    tight = _scheduler(tiny_dir, tok, True, max_total_tokens=560, max_running_requests=4)
+    roomy = _scheduler(tiny_dir, tok, True, max_total_tokens=4096, max_running_requests=4)
 
     def arrivals(tag):
         return {0: [req(tok, f"{tag}{i}", SHORT[i % 2], temperature=0, max_new_tokens=20 + 30 * i,

@@ -38,11 +38,11 @@ def _node_cmd(model_dir: str, http_port: int, dist_port: int, node_rank: int) ->
 
 
 @pytest.mark.timeout(240)
-def test_two_nodes_without_torchrun(tmp_path, smollm2_dir):
+def test_two_nodes_without_torchrun(tmp_path, tiny_dir):
     http_port, dist_port = _free_port(), _free_port()
     env = {"GRAMSYNC_BATCH_LOG_DIR": str(tmp_path / "batches"), **CLUSTER_ENV}
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    nodes = [_popen(_node_cmd(smollm2_dir, http_port, dist_port, k), logs[k], env) for k in (0, 1)]
+    nodes = [_popen(_node_cmd(tiny_dir, http_port, dist_port, k), logs[k], env) for k in (0, 1)]
     base = f"http://127.0.0.1:{http_port}"
     group: list[psutil.Process] = []
     try:
@@ -84,14 +84,14 @@ def test_two_nodes_without_torchrun(tmp_path, smollm2_dir):
     (("--tp-size", "2"), ["DP0_TP0", "DP0_TP1"]),
     (("--pp-size", "2"), ["DP0_PP0_TP0", "DP0_PP1_TP0"]),
 ], ids=["tp2", "pp2"])
-def test_torchrun_two_nodes_one_group(tmp_path, smollm2_dir, layout, ranks):
+def test_torchrun_two_nodes_one_group(tmp_path, tiny_dir, layout, ranks):
     http_port, master_port = _free_port(), _free_port()
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     nodes = []
     for k in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k),
                "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(master_port),
-               "--max-restarts", "0", *_launch_cmd(smollm2_dir, http_port, *layout)[1:]]
+               "--max-restarts", "0", *_launch_cmd(tiny_dir, http_port, *layout)[1:]]
         nodes.append(_popen(cmd, logs[k], CLUSTER_ENV))
     base = f"http://127.0.0.1:{http_port}"
     group: list[psutil.Process] = []

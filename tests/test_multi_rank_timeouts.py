@@ -20,12 +20,12 @@ LAYOUTS = {"tp2": (["--tp-size", "2"], ("DP0_TP0", "DP0_TP1")),
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def timeout_server(request, tmp_path_factory, smollm2_dir):
+def timeout_server(request, tmp_path_factory, tiny_dir):
     """(base URL, batch-log dir, the two ranks' names)."""
     flags, ranks = LAYOUTS[request.param]
     log_dir = str(tmp_path_factory.mktemp("batches"))
     env = {"SGLANG_REQ_RUNNING_TIMEOUT": "3", "GRAMSYNC_BATCH_LOG_DIR": log_dir}
-    for base in _launch_server(tmp_path_factory, smollm2_dir, flags, env):
+    for base in _launch_server(tmp_path_factory, tiny_dir, flags, env):
         yield base, log_dir, ranks
 
 

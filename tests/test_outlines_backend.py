@@ -180,7 +180,7 @@ def test_known_outlines_core_gap_continuing_after_a_complete_match(backend, smol
     assert unpack_bitmask(mask, PADDED)[0, smollm2_tokenizer.encode(",")[0]]
 
 
-def test_served_through_the_registry_and_scheduler(smollm2_dir, smollm2_tokenizer):
+def test_served_through_the_registry_and_scheduler(tiny_dir, smollm2_tokenizer):
     from sampling.sampling_params import SamplingParams
     from srt.transport.io_struct import TokenizedGenerateReq
     from srt.tokenizer_utils import apply_chat_template
@@ -189,7 +189,7 @@ def test_served_through_the_registry_and_scheduler(smollm2_dir, smollm2_tokenize
     made = create_grammar_backend(ServerArgs(grammar_backend="outlines"), smollm2_tokenizer, PADDED, EOS)
     assert isinstance(made, OutlinesGrammarBackend) and made.vocab_size == PADDED
     made.shutdown()
-    sched = make_scheduler(smollm2_dir, smollm2_tokenizer, max_total_tokens=2048, grammar_backend="outlines")
+    sched = make_scheduler(tiny_dir, smollm2_tokenizer, max_total_tokens=2048, grammar_backend="outlines")
     case = BY_NAME["integer_score"]
     prompt = tuple(apply_chat_template(smollm2_tokenizer, case.messages))
 

@@ -117,8 +117,8 @@ def _stage_logits(stages, pools, fb: ForwardBatch, n_parts: int) -> torch.Tensor
     return stages[-1].select_logits(fb, torch.cat(finals))
 
 
-def test_two_stages_over_micro_batches_equal_the_whole_model(smollm2_dir):
-    cfg = ModelConfig.from_path(smollm2_dir)
+def test_two_stages_over_micro_batches_equal_the_whole_model(tiny_dir):
+    cfg = ModelConfig.from_path(tiny_dir)
     whole = load_model(cfg, TPGroup(), torch.float32, "cpu")
     stages = [load_model(cfg, TPGroup(), torch.float32, "cpu", stage_layers(30, r, 2, "13,17")) for r in (0, 1)]
     assert stages[0].lm_head is None and stages[1].model.embed_tokens is not None  # tied head

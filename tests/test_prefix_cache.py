@@ -20,13 +20,13 @@ def _workload(tok, tag, n=6, new_tokens=10):
 
 
 @pytest.fixture(scope="module")
-def cached(smollm2_dir, smollm2_tokenizer):
-    return make_scheduler(smollm2_dir, smollm2_tokenizer, max_total_tokens=4096, max_running_requests=8)
+def cached(tiny_dir, smollm2_tokenizer):
+    return make_scheduler(tiny_dir, smollm2_tokenizer, max_total_tokens=4096, max_running_requests=8)
 
 
 @pytest.fixture(scope="module")
-def uncached(smollm2_dir, smollm2_tokenizer):
-    return make_scheduler(smollm2_dir, smollm2_tokenizer, max_total_tokens=4096, max_running_requests=8,
+def uncached(tiny_dir, smollm2_tokenizer):
+    return make_scheduler(tiny_dir, smollm2_tokenizer, max_total_tokens=4096, max_running_requests=8,
                           disable_radix_cache=True)
 
 
@@ -47,9 +47,9 @@ def test_shared_prefix_is_reused_reported_and_outputs_unchanged(cached, uncached
     assert cached_counts[0] == len(tok(SYSTEM + QUESTIONS[0])["input_ids"]) - 1  # all but the last
 
 
-def test_eviction_under_a_small_pool_keeps_outputs_and_accounting(smollm2_dir, smollm2_tokenizer, uncached):
+def test_eviction_under_a_small_pool_keeps_outputs_and_accounting(tiny_dir, smollm2_tokenizer, uncached):
     tok = smollm2_tokenizer
-    small = make_scheduler(smollm2_dir, tok, max_total_tokens=400, max_running_requests=4)
+    small = make_scheduler(tiny_dir, tok, max_total_tokens=400, max_running_requests=4)
     want = run_until_done(uncached, {0: _workload(tok, "u", new_tokens=20)})
     # Distinct prompts one after another fill the pool with cached prefixes; later ones
     # need the space, so the tree must evict (least recently used first).
@@ -63,10 +63,10 @@ def test_eviction_under_a_small_pool_keeps_outputs_and_accounting(smollm2_dir, s
     assert small.kv.allocator.available_size() + tree.total_size() == 400
 
 
-def test_abort_and_retraction_release_their_locks(smollm2_dir, smollm2_tokenizer, monkeypatch):
+def test_abort_and_retraction_release_their_locks(tiny_dir, smollm2_tokenizer, monkeypatch):
     tok = smollm2_tokenizer
     monkeypatch.setenv("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "1")  # admit optimistically
-    s = make_scheduler(smollm2_dir, tok, max_total_tokens=360, max_running_requests=6)
+    s = make_scheduler(tiny_dir, tok, max_total_tokens=360, max_running_requests=6)
     run_until_done(s, {0: _workload(tok, "warm", n=1)})
     arrivals = {0: _workload(tok, "r", new_tokens=60), 3: [AbortReq("r1")]}
     outs = run_until_done(s, arrivals)  # 6 x (~70 + 60) tokens cannot fit: retractions

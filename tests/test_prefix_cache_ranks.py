@@ -28,11 +28,11 @@ def _bodies():
             for i, system in enumerate(SYSTEMS) for j, q in enumerate(QUESTIONS)]
 
 
-def test_tp2_ranks_hold_the_same_tree_and_outputs_match_cold_runs(tmp_path_factory, smollm2_dir):
+def test_tp2_ranks_hold_the_same_tree_and_outputs_match_cold_runs(tmp_path_factory, tiny_dir):
     logs = tmp_path_factory.mktemp("cache_logs")
     args = ["--tp-size", "2", "--dtype", "float32", "--max-total-tokens", "200",
             "--max-running-requests", "4"]
-    for base in _launch_server(tmp_path_factory, smollm2_dir, args, {"GRAMSYNC_BATCH_LOG_DIR": str(logs)}):
+    for base in _launch_server(tmp_path_factory, tiny_dir, args, {"GRAMSYNC_BATCH_LOG_DIR": str(logs)}):
         with httpx.Client(base_url=base, timeout=60) as client:
             cold = {}
             for body in _bodies()[::3]:  # one per system prompt, each after a flush: no hits

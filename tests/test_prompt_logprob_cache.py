@@ -29,11 +29,11 @@ ENGINE_ARGS = dict(max_total_tokens=6144, max_running_requests=8, dtype="float32
 
 
 @pytest.fixture(scope="module")
-def engines(smollm2_dir):
+def engines(tiny_dir):
     from srt.entrypoints.engine import Engine
 
-    with Engine(model_path=smollm2_dir, **ENGINE_ARGS) as on, \
-            Engine(model_path=smollm2_dir, disable_prompt_logprob_cache=True, **ENGINE_ARGS) as off:
+    with Engine(model_path=tiny_dir, **ENGINE_ARGS) as on, \
+            Engine(model_path=tiny_dir, disable_prompt_logprob_cache=True, **ENGINE_ARGS) as off:
         yield on, off
 
 

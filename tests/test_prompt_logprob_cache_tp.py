@@ -64,13 +64,13 @@ def _close(a: dict, b: dict) -> bool:
                     for u, v in zip(s[1:], t[1:])))
 
 
-def test_tp2_cached_prompt_logprobs_match_and_ranks_agree(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
+def test_tp2_cached_prompt_logprobs_match_and_ranks_agree(tmp_path_factory, tiny_dir, smollm2_tokenizer):
     ctx, choices = _prompts(smollm2_tokenizer)
     logs = tmp_path_factory.mktemp("lp_cache_logs")
     results = {}
     for name, extra, env in (("on", [], {"GRAMSYNC_BATCH_LOG_DIR": str(logs)}),
                              ("off", ["--disable-prompt-logprob-cache"], None)):
-        for base in _launch_server(tmp_path_factory, smollm2_dir, ARGS + extra, env):
+        for base in _launch_server(tmp_path_factory, tiny_dir, ARGS + extra, env):
             results[name] = _run(base, ctx, choices)
     on, off = results["on"], results["off"]
     assert (on["bytes"], off["bytes"]) == (165, 0)  # reported, and counted in the KV budget

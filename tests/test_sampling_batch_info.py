@@ -240,10 +240,10 @@ def msg(tok, rid) -> TokenizedGenerateReq:
 
 
 @pytest.fixture(scope="module")
-def solo(smollm2_dir, smollm2_tokenizer):
+def solo(tiny_dir, smollm2_tokenizer):
     """(scheduler, rid -> output ids of the request run alone): a fresh scheduler that
     runs one request at a time; the mixed test then reuses it."""
-    s = make_scheduler(smollm2_dir, smollm2_tokenizer, max_total_tokens=512, max_running_requests=8)
+    s = make_scheduler(tiny_dir, smollm2_tokenizer, max_total_tokens=512, max_running_requests=8)
     return s, {rid: run(s, {0: [msg(smollm2_tokenizer, rid)]})[rid] for rid in MIXED}
 
 
@@ -265,7 +265,7 @@ def test_changing_batch_gives_solo_outputs(solo, smollm2_tokenizer):
         assert outs[rid] == want, rid
 
 
-def test_retracted_request_resumes_with_same_penalized_output(solo, smollm2_dir, smollm2_tokenizer,
+def test_retracted_request_resumes_with_same_penalized_output(solo, tiny_dir, smollm2_tokenizer,
                                                                 monkeypatch):
     """A pool just big enough for both prompts + 4 tokens: the newer request ("c", seeded,
     presence penalty and bias) is retracted, resumed by re-prefilling prompt + output, and
@@ -275,7 +275,7 @@ def test_retracted_request_resumes_with_same_penalized_output(solo, smollm2_dir,
     monkeypatch.setenv("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "1")  # admit optimistically
     first, second = msg(tok, "a"), msg(tok, "c")
     pool = len(first.input_ids) + len(second.input_ids) + 4
-    s = make_scheduler(smollm2_dir, tok, max_total_tokens=pool, max_running_requests=4)
+    s = make_scheduler(tiny_dir, tok, max_total_tokens=pool, max_running_requests=4)
     retracted = []
     ensure = s._ensure_decode_capacity
 

@@ -93,14 +93,14 @@ def _node_cmd(model_dir, http_port, dist_port, rank):
                        str(rank), "--dist-init-addr", f"127.0.0.1:{dist_port}")
 
 
-def test_node0_ports_never_execute_network_bytes(tmp_path, smollm2_dir):
+def test_node0_ports_never_execute_network_bytes(tmp_path, tiny_dir):
     canary = tmp_path / "canary-executed"
     payload = pickle.dumps(Canary(str(canary)))
     wrong_keys = CurveKeys.from_secret("not-the-cluster-secret-" + "x" * 32)
     http_port, dist_port = _free_port(), _free_port()
     env = {"GRAMSYNC_CLUSTER_SECRET": SECRET}
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    node0 = _popen(_node_cmd(smollm2_dir, http_port, dist_port, 0), logs[0], env)
+    node0 = _popen(_node_cmd(tiny_dir, http_port, dist_port, 0), logs[0], env)
     nodes, group = [node0], []
     base = f"http://127.0.0.1:{http_port}"
     try:
@@ -118,7 +118,7 @@ def test_node0_ports_never_execute_network_bytes(tmp_path, smollm2_dir):
         assert node0.poll() is None, _tail(logs[0])
 
         # 2. Node 1 joins: the server works, then every port of node 0 is attacked again.
-        nodes.append(_popen(_node_cmd(smollm2_dir, http_port, dist_port, 1), logs[1], env))
+        nodes.append(_popen(_node_cmd(tiny_dir, http_port, dist_port, 1), logs[1], env))
         _wait_healthy(node0, base, logs[0])
         group = [p for n in nodes for p in _tree(n)]
         serving = _listening_ports(_tree(node0))
@@ -169,7 +169,7 @@ def test_node0_ports_never_execute_network_bytes(tmp_path, smollm2_dir):
     _wait_until(lambda: not any(_alive(p) for p in group), 15, "every process of both nodes to exit")
 
 
-def test_nodes_without_the_secret(tmp_path, smollm2_dir):
+def test_nodes_without_the_secret(tmp_path, tiny_dir):
     """A worker node with no secret exits at once with instructions; node 0 with none
     generates one and prints how to pass it to the other nodes."""
     env = {k: v for k, v in os.environ.items() if k != "GRAMSYNC_CLUSTER_SECRET"}
@@ -189,7 +189,7 @@ def test_nodes_without_the_secret(tmp_path, smollm2_dir):
     log = tmp_path / "node0.log"
     node0 = _popen([sys.executable, "launch.py", "--tp-size", "2", "--nnodes", "2", "--node-rank", "0",
                     "--dist-init-addr", dist, "--port", str(_free_port()),
-                    "--model-path", smollm2_dir], log, {"GRAMSYNC_CACHE_DIR": env["GRAMSYNC_CACHE_DIR"],
+                    "--model-path", tiny_dir], log, {"GRAMSYNC_CACHE_DIR": env["GRAMSYNC_CACHE_DIR"],
                                                         "GRAMSYNC_CLUSTER_SECRET": ""})
     try:
         secret_file = tmp_path / "cache" / "cluster_secret"

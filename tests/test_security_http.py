@@ -38,16 +38,16 @@ TIMEOUT = 60
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory, smollm2_dir):
-    yield from _launch_server(tmp_path_factory, smollm2_dir, [
+def keyed(tmp_path_factory, tiny_dir):
+    yield from _launch_server(tmp_path_factory, tiny_dir, [
         "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--max-request-bytes", str(LIMIT)])
 
 
 @pytest.fixture(scope="module")
-def env_keyed(tmp_path_factory, smollm2_dir):
+def env_keyed(tmp_path_factory, tiny_dir):
     # The admin key env var is cleared so that a value in the test's own environment
     # cannot leak in: without an admin key, the API key guards the admin endpoints.
-    yield from _launch_server(tmp_path_factory, smollm2_dir, [],
+    yield from _launch_server(tmp_path_factory, tiny_dir, [],
                               env={"GRAMSYNC_API_KEY": ENV_KEY, "GRAMSYNC_ADMIN_API_KEY": ""})
 
 

@@ -62,8 +62,8 @@ CHOICES = ["yes", "no", "maybe"]
 
 
 @pytest.fixture(scope="module")
-def storm_server(tmp_path_factory, smollm2_dir):
-    yield from _launch_server(tmp_path_factory, smollm2_dir, [
+def storm_server(tmp_path_factory, tiny_dir):
+    yield from _launch_server(tmp_path_factory, tiny_dir, [
         "--enable-metrics", "--max-running-requests", str(STORM_MAX_RUNNING),
         "--max-queued-requests", str(STORM_MAX_QUEUED), "--grammar-backend", "xgrammar"])
 

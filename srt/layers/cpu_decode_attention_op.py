@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from srt.layers.cpu_kernels import load_cpu_kernels
+from srt.layers.cpu_kernels import dynamo_constant, load_cpu_kernels
 
 
 def decode_attention_op_wanted() -> bool:
@@ -22,7 +22,7 @@ def decode_attention_op_wanted() -> bool:
     return GRAMSYNC_CPU_DECODE_ATTENTION.get()
 
 
-@torch.compiler.assume_constant_result  # Dynamo calls it, never traces the build
+@dynamo_constant  # Dynamo calls it, never traces the build
 def decode_attention_op_available() -> bool:
     return decode_attention_op_wanted() and load_cpu_kernels()
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from srt.layers.cpu_kernels import PANEL, load_cpu_kernels
+from srt.layers.cpu_kernels import PANEL, dynamo_constant, load_cpu_kernels
 
 GEMV_MAX_ROWS = 16
 
@@ -46,7 +46,7 @@ def cpu_runs(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and {"avx512f", "avx512bw", "avx512_bf16"} <= flags
 
 
-@torch.compiler.assume_constant_result  # Dynamo calls it, never traces the build
+@dynamo_constant  # Dynamo calls it, never traces the build
 def gemv_available(dtype: torch.dtype) -> bool:
     """The user wants it, this CPU runs ``dtype`` natively and the library is loaded."""
     return gemv_wanted() and cpu_runs(dtype) and load_cpu_kernels()

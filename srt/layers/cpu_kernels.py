@@ -25,6 +25,14 @@ PANEL = 16  # the GEMV's weight rows per panel (cpu_gemv.pack_weight)
 LIBRARY = "gramsync_cpu_kernels"
 
 
+def dynamo_constant(fn):
+    """``torch.compiler.assume_constant_result`` without importing Dynamo, which that call
+    does (1.5 s of every rank's start, for eager steps that never trace): in torch 2.13 it
+    only sets this flag (test_cpu_kernels_build.py checks that it still does)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 @contextlib.contextmanager
 def _builder_lock(build_dir: str):
     """One builder at a time per build folder, by an OS lock the kernel drops when its holder

@@ -1,0 +1,73 @@
+"""The suite's tiny model: SmolLM2's tokenizer, vocabulary and chat template on a small
+random-weight Llama, for every test whose verdict does not depend on trained weights.
+
+Built in-process from a transformers ``LlamaConfig`` with a fixed seed and written as an
+ordinary Hugging Face directory (``save_pretrained`` writes the hub's tensor names), so
+servers load it through the same loader as any checkpoint (``--model-path``). Cached under
+``$GRAMSYNC_CACHE_DIR/tiny`` by a hash of its recipe; a rebuild is ~1 s.
+
+Shape: 4 layers (PP=2 gets two a stage), 4 query heads and 2 KV heads of 64 (TP=2 splits
+both), hidden 256, MLP 512, tied embeddings (SmolLM2's layout): ~13.5M parameters, most in
+the 49,152 x 256 embedding. Its weights are drawn with a wider spread than transformers'
+default (``INIT_STD``), so a greedy step's top two logits stand far apart compared with
+fp32 rounding: greedy outputs stay the same in any batch, as the suite's equality tests
+need.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+              rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+INIT_STD = 0.08
+SEED = 0
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json")
+
+
+def _recipe_key(vocab_size: int) -> str:
+    import transformers
+
+    recipe = json.dumps({"config": CONFIG, "vocab": vocab_size, "std": INIT_STD, "seed": SEED,
+                         "transformers": transformers.__version__}, sort_keys=True)
+    return hashlib.sha256(recipe.encode()).hexdigest()[:16]
+
+
+def tiny_model_dir(smollm2_dir: str, cache_root: str) -> str:
+    """The tiny model's directory (built once, then reused; safe against a concurrent build)."""
+    with open(os.path.join(smollm2_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    target = os.path.join(cache_root, "tiny", _recipe_key(vocab))
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    tmp = f"{target}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _build(smollm2_dir, vocab, tmp)
+    try:
+        os.rename(tmp, target)  # atomic: a reader sees the whole directory or none
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build(smollm2_dir: str, vocab: int, out: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, initializer_range=INIT_STD, **CONFIG)
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # RMSNorm weights start at 1: keep them, draw everything else
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, INIT_STD)
+    os.makedirs(out)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        src = os.path.join(smollm2_dir, name)
+        if os.path.exists(src) and name != "generation_config.json":
+            shutil.copy(src, os.path.join(out, name))

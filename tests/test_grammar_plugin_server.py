@@ -15,10 +15,10 @@ from conftest import _launch_server
 
 
 @pytest.fixture(scope="module")
-def slow_server(tmp_path_factory, smollm2_dir):
+def slow_server(tmp_path_factory, tiny_dir):
     env = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__)),
            "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS": "40", "SGLANG_GRAMMAR_POLL_INTERVAL": "0.01"}
-    yield from _launch_server(tmp_path_factory, smollm2_dir,
+    yield from _launch_server(tmp_path_factory, tiny_dir,
                               ["--grammar-backend", "slow", "--grammar-backend-plugins", "slow_grammar_plugin"], env)
 
 

@@ -564,11 +564,11 @@ def test_the_rank_that_failed_first_is_named(tmp_path):
     (["--pp-size", "2"], "DP0_PP0_TP0"),
     (["--pp-size", "2"], "DP0_PP1_TP0"),
 ], ids=["tp2", "pp2-first-stage", "pp2-last-stage"])
-def test_killed_rank_stops_the_server(tmp_path, smollm2_dir, layout, victim_rank):
+def test_killed_rank_stops_the_server(tmp_path, tiny_dir, layout, victim_rank):
     watchdog_timeout = 20
     port = _free_port()
     log_path = tmp_path / "server.log"
-    proc = _popen(_launch_cmd(smollm2_dir, port, *layout,
+    proc = _popen(_launch_cmd(tiny_dir, port, *layout,
                               "--watchdog-timeout", str(watchdog_timeout)), log_path)
     base = f"http://127.0.0.1:{port}"
     group: list[psutil.Process] = []
@@ -613,12 +613,12 @@ def test_killed_rank_stops_the_server(tmp_path, smollm2_dir, layout, victim_rank
 
 # ---- a rank fails to start ---------------------------------------------------------------
 @pytest.mark.timeout(180)
-def test_startup_failure_names_the_rank(tmp_path, smollm2_dir):
+def test_startup_failure_names_the_rank(tmp_path, tiny_dir):
     """One rank (DP0_TP1) raises while building its scheduler: the launcher exits non-zero
     with that rank's name and traceback, and takes the other ranks down."""
     log_path = tmp_path / "server.log"
     pythonpath = os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")]))
-    proc = _popen(_launch_cmd(smollm2_dir, _free_port(), "--tp-size", "2",
+    proc = _popen(_launch_cmd(tiny_dir, _free_port(), "--tp-size", "2",
                               "--grammar-backend-plugins", "fail_on_rank_plugin"),
                   log_path, env={"PYTHONPATH": pythonpath, "GRAMSYNC_TEST_FAIL_RANK": "DP0_TP1"})
     seen: dict[int, psutil.Process] = {}

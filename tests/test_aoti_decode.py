@@ -1,7 +1,8 @@
 """The decode graphs as AOTInductor packages (srt/aoti_decode.py) against the eager step.
 
-Real model (the embedded SmolLM2 cut to one layer, fp32), real ``torch.export`` and
-AOTInductor compile (~1 minute on 2 cores): a package built for batches 2-4 on one KV
+The suite's tiny model (tests/tiny_model.py, cut to one layer, fp32; on SmolLM2 the
+package held 244 MB of constants and took twice as long), real ``torch.export`` and
+AOTInductor compile (~30 s on 2 cores): a package built for batches 2-4 on one KV
 pool serves another pool of another size and batch, writes the eager step's K/V into it
 in place (and nothing else), and gives the eager step's logits; loading leaves no
 extracted copy in the temp folder; building leaves the
@@ -25,19 +26,19 @@ from srt.mem_cache.memory_pool import MHATokenToKVPool
 
 
 @pytest.fixture(scope="module")
-def runner(smollm2_dir):
+def runner(tiny_dir):
     from distributed.parallel_state import SINGLE_RANK, RankInfo
     from srt.model_config import ModelConfig
     from srt.model_runner import ModelRunner
     from srt.server_args import ServerArgs, parse_model_overrides
 
     overrides = '{"num_hidden_layers": 1}'
-    args = ServerArgs(model_path=smollm2_dir, dtype="float32", max_running_requests=4, max_total_tokens=256,
+    args = ServerArgs(model_path=tiny_dir, dtype="float32", max_running_requests=4, max_total_tokens=256,
                       json_model_override_args=overrides, disable_torch_compile=True)
     old = os.environ.get("GRAMSYNC_CPU_PACKED_LINEAR")
     os.environ["GRAMSYNC_CPU_PACKED_LINEAR"] = "0"  # plain weights, as wherever the step compiles
     try:
-        return ModelRunner(args, ModelConfig.from_path(smollm2_dir, None, parse_model_overrides(overrides)),
+        return ModelRunner(args, ModelConfig.from_path(tiny_dir, None, parse_model_overrides(overrides)),
                            RankInfo(), SINGLE_RANK)
     finally:
         if old is None:
@@ -125,7 +126,7 @@ def test_a_folder_of_its_own_is_removed_once_loaded(runner):
 
 
 @pytest.mark.timeout(600)
-def test_cpu_int4_model_builds_a_package_that_matches_its_eager_step(smollm2_dir, tmp_path):
+def test_cpu_int4_model_builds_a_package_that_matches_its_eager_step(tiny_dir, tmp_path):
     """``--torchao-config int4wo-32`` on CPU (int4 decoder, int8 LM head: torch's own ops on
     plain tensors) exports and compiles like the plain model, and the package's logits are
     the eager int4 step's."""
@@ -137,10 +138,10 @@ def test_cpu_int4_model_builds_a_package_that_matches_its_eager_step(smollm2_dir
     from srt.server_args import ServerArgs, parse_model_overrides
 
     overrides = '{"num_hidden_layers": 1}'
-    args = ServerArgs(model_path=smollm2_dir, dtype="float32", max_running_requests=2, max_total_tokens=256,
+    args = ServerArgs(model_path=tiny_dir, dtype="float32", max_running_requests=2, max_total_tokens=256,
                       json_model_override_args=overrides, disable_torch_compile=True,
                       torchao_config="int4wo-32")
-    runner = ModelRunner(args, ModelConfig.from_path(smollm2_dir, None, parse_model_overrides(overrides)),
+    runner = ModelRunner(args, ModelConfig.from_path(tiny_dir, None, parse_model_overrides(overrides)),
                          RankInfo(), SINGLE_RANK)
     assert isinstance(runner.model.lm_head.packed_weight, Int8Weight)
     packages = DecodePackages(str(tmp_path), runner.attn_backend, "[test]")

@@ -76,13 +76,10 @@ def fp32_engine(smollm2_dir):
     compare against references (logprobs, n > 1, the TP=1 greedy ids of the multi-rank tests)."""
     from srt.entrypoints.engine import Engine
 
-    before = os.environ.get("GRAMSYNC_MALLOC")
-    os.environ.update(MIMALLOC)  # the default allocator, for its ranks (read at their spawn)
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # the default allocator, read at the ranks' spawn
+        mp.setenv("GRAMSYNC_MALLOC", MIMALLOC["GRAMSYNC_MALLOC"])
         eng = Engine(model_path=smollm2_dir, max_total_tokens=4096, max_running_requests=8,
                      dtype="float32", random_seed=0)
-    finally:
-        os.environ["GRAMSYNC_MALLOC"] = before if before is not None else "system"
     with eng:
         yield eng
 

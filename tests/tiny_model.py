@@ -1,5 +1,6 @@
 """The suite's tiny model: SmolLM2's tokenizer, vocabulary and chat template on a small
-random-weight Llama, for every test whose verdict does not depend on trained weights.
+random-weight Llama, for the tests that own their schedulers, engines or servers and whose
+verdicts do not depend on trained weights (docs/testing.md says which use it and why).
 
 Built in-process from a transformers ``LlamaConfig`` with a fixed seed and written as an
 ordinary Hugging Face directory (``save_pretrained`` writes the hub's tensor names), so
@@ -25,8 +26,8 @@ CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_a
               rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 INIT_STD = 0.08
 SEED = 0
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "generation_config.json")
+# Not generation_config.json: save_pretrained writes the tiny model's own.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 def _recipe_key(vocab_size: int) -> str:
@@ -69,5 +70,5 @@ def _build(smollm2_dir: str, vocab: int, out: str) -> None:
     model.save_pretrained(out, safe_serialization=True)
     for name in TOKENIZER_FILES:
         src = os.path.join(smollm2_dir, name)
-        if os.path.exists(src) and name != "generation_config.json":
+        if os.path.exists(src):
             shutil.copy(src, os.path.join(out, name))

@@ -1,4 +1,4 @@
-"""Chunked prefill in the real scheduler (embedded SmolLM2, fp32): a long prompt is
+"""Chunked prefill in the real scheduler (the suite's tiny model, fp32): a long prompt is
 prefilled in chunks with a decode step for the running requests after each, outputs equal
 an unchunked run, a constrained request's grammar sees nothing until its prefill is done,
 and an abort mid-prompt frees everything."""

@@ -1,4 +1,4 @@
-"""Offline Engine: real scheduler subprocess, real model, context-manager shutdown."""
+"""Offline Engine: real scheduler subprocess, the suite's tiny model, context-manager shutdown."""
 from __future__ import annotations
 
 import os

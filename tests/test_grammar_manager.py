@@ -1,4 +1,4 @@
-"""The grammar queue inside the real scheduler (SmolLM2, CPU): compiles that are slow,
+"""The grammar queue inside the real scheduler (the suite's tiny model, CPU): compiles that are slow,
 shared, failing, timed out or aborted, plus the cross-rank agreement over real gloo."""
 from __future__ import annotations
 

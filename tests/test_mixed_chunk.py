@@ -1,4 +1,4 @@
-"""Mixed chunks (--enable-mixed-chunk) in the real scheduler (embedded SmolLM2, fp32): a
+"""Mixed chunks (--enable-mixed-chunk) in the real scheduler (the suite's tiny model, fp32): a
 prefill chunk and the running requests' decode rows share one forward, and every request
 gets the tokens, logprobs, grammar outputs and finish reasons it gets without mixing.
 TP=2 lock-step with mixed steps: test_grammar_agreement_ranks.py."""

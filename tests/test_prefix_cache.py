@@ -1,4 +1,4 @@
-"""The radix prefix cache inside the real scheduler (embedded SmolLM2, fp32): shared prefixes
+"""The radix prefix cache inside the real scheduler (the suite's tiny model, fp32): shared prefixes
 are reused and reported, outputs equal a run without the cache, eviction under a small
 pool, and every way a request ends (finish, abort, retraction) releases its locks."""
 from __future__ import annotations

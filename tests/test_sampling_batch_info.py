@@ -1,5 +1,5 @@
 """SamplingBatchInfo kept in step by filter_batch / merge_batch equals a fresh from_reqs of
-the same requests (penalizer state included); and, with the real SmolLM2 scheduler, every
+the same requests (penalizer state included); and, with a real scheduler of the suite's tiny model, every
 request whose batch loses and gains rows (or which is retracted and resumed) produces
 exactly the tokens it produces alone. Neither a custom processor nor a logit bias lifts the
 grammar mask, on every CPU path of the bitmask apply."""

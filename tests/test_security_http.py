@@ -1,4 +1,4 @@
-"""HTTP security end to end, through REAL servers (`python launch.py`, embedded SmolLM2 on
+"""HTTP security end to end, through REAL servers (`python launch.py`, the suite's tiny model on
 CPU): API keys (flag and $GRAMSYNC_API_KEY), the admin key, --max-request-bytes (announced
 and chunked bodies), a huge prompt that must neither stall other requests nor be tokenized,
 and schema ``$ref``s that must never be fetched.

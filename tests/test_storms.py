@@ -1,4 +1,4 @@
-"""Request storms against a dedicated REAL server (``python launch.py``, embedded SmolLM2 on
+"""Request storms against a dedicated REAL server (``python launch.py``, the suite's tiny model on
 CPU, module-scoped ``storm_server``: --enable-metrics, small budgets: --max-running-requests
 STORM_MAX_RUNNING, --max-queued-requests STORM_MAX_QUEUED), all traffic on 127.0.0.1:
 

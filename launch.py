@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, _HERE)
     check_own_packages()
     if argv is None:  # the command line: run it again with the allocator preloaded
-        from srt.cpu_allocator import reexec_with_allocator
+        from srt.model_executor.cpu_allocator import reexec_with_allocator
 
         reexec_with_allocator()
     from srt.entrypoints.http_server import launch_server

@@ -101,7 +101,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--backend", default="xgrammar", help="--grammar-backend of the ranks")
     a = p.parse_args()
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_loader import resolve_model_path
     from transformers import AutoTokenizer
 
     model = resolve_model_path(None)

@@ -44,8 +44,8 @@ def make_scheduler(concurrency: int, dtype: str, eager: bool, **server_kwargs):
 
     from distributed.parallel_state import SINGLE_RANK, RankInfo
     from srt.scheduler.scheduler import Scheduler
-    from srt.model_config import ModelConfig
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_config import ModelConfig
+    from srt.model_executor.model_loader import resolve_model_path
     from srt.server_args import ServerArgs
 
     path = resolve_model_path(None)
@@ -145,7 +145,7 @@ def profile_diff(sched, tok, managers, a) -> None:
 
 
 def main() -> None:
-    from srt.cpu_allocator import reexec_with_allocator
+    from srt.model_executor.cpu_allocator import reexec_with_allocator
 
     reexec_with_allocator()  # measure with the allocator the server's ranks use
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -64,7 +64,7 @@ def run(dtype: torch.dtype) -> None:
 def served(dtype: str, levels: list[int], rounds: int = 5) -> None:
     import step_breakdown
     from bench_offline import chat_prompts
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_loader import resolve_model_path
     from srt.tokenizer_utils import apply_chat_template, get_tokenizer
 
     model_dir = resolve_model_path(None)
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="both", choices=["bfloat16", "float32", "both"])
     ap.add_argument("--served", default="", help="batch sizes for the served-step A/B, e.g. 1,4,16")
     args = ap.parse_args()
-    from srt.cpu_allocator import reexec_with_allocator
+    from srt.model_executor.cpu_allocator import reexec_with_allocator
 
     reexec_with_allocator()  # measure with the allocator the server's ranks use
     if not load_cpu_kernels():

@@ -46,7 +46,7 @@ def main() -> None:
     sys.path.insert(0, ".")
     from srt.layers import cpu_gemv
     from srt.layers.cpu_kernels import load_cpu_kernels
-    from srt.model_runner import cpu_has_native_bf16
+    from srt.model_executor.model_runner import cpu_has_native_bf16
 
     dtype = (torch.bfloat16 if cpu_has_native_bf16() else torch.float32) if args.dtype == "auto" else getattr(torch, args.dtype)
     flags = " ".join(k for k, v in cpu_flags().items() if v)

@@ -14,7 +14,7 @@ through:
 It prints each path's time and read rate against this run's ``x.sum()`` read rate, and
 the tiled GEMV's ratio to the best library path. Needs AVX512-BF16 and a C++ compiler
 (the one Inductor uses); elsewhere it says so and exits. Not used by the server: it is
-the measurement behind docs/speed.md's "bf16 on an AVX512-BF16 / AMX Xeon".
+the measurement behind docs/speed-history.md's "bf16 on an AVX512-BF16 / AMX Xeon".
 """
 from __future__ import annotations
 

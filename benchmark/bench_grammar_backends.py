@@ -142,7 +142,7 @@ def main() -> None:
 
     from grammar_corpus import BY_NAME, JSON_CASES, REGEX_CASES
     from machine_floor import cpu_flags, cpu_model
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_loader import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
     vocab, eos = len(tok), tok.eos_token_id

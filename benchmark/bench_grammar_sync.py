@@ -229,8 +229,8 @@ def _bench_decode(info, tp, args, barrier) -> dict:
     from sampling.sampling_params import SamplingParams
     from srt.transport.io_struct import AbortReq, TokenizedGenerateReq
     from srt.scheduler.scheduler import Scheduler
-    from srt.model_config import ModelConfig
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_config import ModelConfig
+    from srt.model_executor.model_loader import resolve_model_path
     from srt.server_args import ServerArgs
 
     path = resolve_model_path(None)

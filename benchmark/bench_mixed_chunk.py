@@ -84,7 +84,7 @@ def run_round(sched, reqs, mixed: bool, tag: str) -> dict:
 
 
 def main():
-    from srt.cpu_allocator import reexec_with_allocator
+    from srt.model_executor.cpu_allocator import reexec_with_allocator
 
     reexec_with_allocator()  # measure with the allocator the server's ranks use
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,8 +97,8 @@ def main():
     p.add_argument("--dtype", default="auto")
     p.add_argument("--server-args", default="", help="extra ServerArgs as k=v,k=v (e.g. chunked_prefill_size=128)")
     args = p.parse_args()
-    from srt.model_loader import resolve_model_path
-    from srt.model_runner import cpu_has_native_bf16
+    from srt.model_executor.model_loader import resolve_model_path
+    from srt.model_executor.model_runner import cpu_has_native_bf16
 
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cpu_has_native_bf16() else "float32")
     extra = dict(kv.split("=") for kv in args.server_args.split(",") if kv)

@@ -121,7 +121,7 @@ def print_breakdown(rows, floors) -> None:
 
 
 def main():
-    from srt.cpu_allocator import reexec_with_allocator
+    from srt.model_executor.cpu_allocator import reexec_with_allocator
 
     reexec_with_allocator()  # measure with the allocator the server's ranks use
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,8 +150,8 @@ def main():
     args = ap.parse_args()
     torch.set_grad_enabled(False)
 
-    from srt.model_loader import resolve_model_path
-    from srt.model_runner import resolve_dtype
+    from srt.model_executor.model_loader import resolve_model_path
+    from srt.model_executor.model_runner import resolve_dtype
     from srt.server_args import ServerArgs
     from srt.tokenizer_utils import apply_chat_template, get_tokenizer
 
@@ -168,7 +168,7 @@ def main():
     bw = machine_floor.read_bandwidth_gbs()
     peak = machine_floor.matmul_peak_gflops(getattr(torch, dtype))
     report.update(read_gbs=bw, matmul_gflops=peak)
-    from srt.cpu_allocator import loaded_allocator
+    from srt.model_executor.cpu_allocator import loaded_allocator
 
     report["allocator"] = os.path.basename(loaded_allocator() or "glibc")
     print(f"cpu={report['cpu']} flags={report['cpu_flags']} dtype={dtype} threads={report['threads']} "

@@ -65,7 +65,7 @@ def main() -> None:
     from srt.layers.cpu_packed_linear import pack_weight, packing_supported
     from srt.layers.linear import _TPLinear
     from srt.layers.vocab_parallel_embedding import ParallelLMHead
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_loader import resolve_model_path
     from transformers import AutoTokenizer
 
     path = resolve_model_path(None)

@@ -144,8 +144,8 @@ def _build_scheduler(rank: int, pp_size: int, port: int, args, compiled: bool):
     from distributed.parallel_state import SINGLE_RANK, RankInfo
     from distributed.pipeline import init_pipeline_group
     from distributed.process_groups import DistConfig, init_process_groups
-    from srt.model_config import ModelConfig
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_config import ModelConfig
+    from srt.model_executor.model_loader import resolve_model_path
     from srt.scheduler.scheduler import Scheduler
     from srt.server_args import ServerArgs
 
@@ -168,7 +168,7 @@ def _build_scheduler(rank: int, pp_size: int, port: int, args, compiled: bool):
 def _run_round(sched, prompts: list, new_tokens: int, tag: str) -> dict:
     """Submit every prompt at once, step until no rank has work; tokens per request."""
     from sampling.sampling_params import SamplingParams
-    from srt.pipeline_forward import StageTimes
+    from srt.model_executor.pipeline_forward import StageTimes
     from srt.transport.io_struct import TokenizedGenerateReq
 
     params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True})
@@ -219,7 +219,7 @@ def _prompts(n: int) -> list[tuple[int, ...]]:
     from transformers import AutoTokenizer
 
     from bench_offline import chat_prompts
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_loader import resolve_model_path
     from srt.tokenizer_utils import apply_chat_template
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
@@ -459,7 +459,7 @@ def bench_agreement(args) -> None:
 
 
 def main() -> None:
-    from srt.cpu_allocator import reexec_with_allocator
+    from srt.model_executor.cpu_allocator import reexec_with_allocator
 
     reexec_with_allocator()  # measure with the server's allocator (the spawned ranks inherit it)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -483,7 +483,7 @@ def main() -> None:
     args = ap.parse_args()
     if unknown := set(args.layouts) - set(LAYOUTS):
         ap.error(f"unknown layouts {sorted(unknown)}")
-    from srt.model_runner import cpu_has_native_bf16
+    from srt.model_executor.model_runner import cpu_has_native_bf16
 
     if args.dtype == "auto":
         args.dtype = "bfloat16" if cpu_has_native_bf16() else "float32"

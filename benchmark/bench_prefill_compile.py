@@ -26,8 +26,8 @@ import machine_floor  # noqa: E402
 
 
 def main() -> None:
-    from srt.model_loader import resolve_model_path
-    from srt.model_runner import resolve_dtype
+    from srt.model_executor.model_loader import resolve_model_path
+    from srt.model_executor.model_runner import resolve_dtype
     from srt.server_args import ServerArgs
     from srt.tokenizer_utils import get_tokenizer
 

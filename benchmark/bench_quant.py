@@ -65,7 +65,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def main() -> None:
-    from srt.cpu_allocator import reexec_with_allocator
+    from srt.model_executor.cpu_allocator import reexec_with_allocator
 
     reexec_with_allocator()  # measure with the allocator the server's ranks use
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_loader import resolve_model_path
     from srt.tokenizer_utils import apply_chat_template, get_tokenizer
 
     path = resolve_model_path(None)
@@ -100,7 +100,7 @@ def main() -> None:
         del sched
     base = rows["unquantized eager"][0]
     import machine_floor
-    from srt.cpu_allocator import loaded_allocator
+    from srt.model_executor.cpu_allocator import loaded_allocator
 
     print(f"\ncpu={machine_floor.cpu_model()} flags={machine_floor.cpu_flags()} threads={torch.get_num_threads()} "
           f"allocator={os.path.basename(loaded_allocator() or 'glibc')}")

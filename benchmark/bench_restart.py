@@ -35,7 +35,7 @@ from bench_compile_pool import cpu_flags  # noqa: E402
 from bench_serving import free_port, launched_server  # noqa: E402
 from bench_tp_collectives import per_token_ms  # noqa: E402
 
-READY = re.compile(r"INFO srt\.model_runner: .*compiled steps ready \(Inductor's cache: (hits \d+, misses \d+, bypassed \d+)\)")
+READY = re.compile(r"INFO srt\.model_executor\.model_runner: .*compiled steps ready \(Inductor's cache: (hits \d+, misses \d+, bypassed \d+)\)")
 BUILT = re.compile(r"compile builder done")
 TOPICS = ["the sea", "a city at night", "winter", "a library", "trains", "the moon", "bread", "rain"]
 

@@ -50,7 +50,7 @@ cores. The compute floor is the matmul work per scored token (LM head over every
 row included) at this run's measured bf16/fp32 matmul peak.
 
 --server-args defaults to ``--wait-for-torch-compile``: prefill runs compiled
-(``srt/compiled_prefill.py``) once the start-up compile is over, so the server, and the
+(``srt/model_executor/compiled/prefill.py``) once the start-up compile is over, so the server, and the
 in-process scheduler built from the same flags, report ready only then (a few minutes:
 the decode graphs compile too). ``--server-args --disable-torch-compile`` measures the
 eager prefill (the in-process run checks that no decode step happened either way).
@@ -360,7 +360,7 @@ class InProcess:
 
         from distributed.parallel_state import SINGLE_RANK, RankInfo
         from srt.scheduler.scheduler import Scheduler
-        from srt.model_config import ModelConfig
+        from srt.model_executor.model_config import ModelConfig
 
         self.args = args = server_args_for(model_dir, server_argv)
         self.sched = Scheduler(args, RankInfo(), SINGLE_RANK,
@@ -472,7 +472,7 @@ def print_breakdown(n_tokens: int, server_walls: list | None, head: str | None, 
 
 
 def main() -> None:
-    from srt.cpu_allocator import reexec_with_allocator
+    from srt.model_executor.cpu_allocator import reexec_with_allocator
 
     reexec_with_allocator()  # measure with the allocator the server's ranks use
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -507,7 +507,7 @@ def main() -> None:
 
 def server_setup(args) -> tuple[str, int, list[str], dict]:
     """(dtype, threads, launch.py flags, CPU flags) for ``args``; prints the header line."""
-    from srt.model_runner import resolve_dtype
+    from srt.model_executor.model_runner import resolve_dtype
     from srt.server_args import ServerArgs
 
     dtype = str(resolve_dtype(ServerArgs(dtype=args.dtype), "cpu")).removeprefix("torch.")
@@ -525,7 +525,7 @@ def score_single(args) -> dict:
     """The --case single benchmark (the module docstring's first part); returns its report."""
     torch.set_grad_enabled(False)
 
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_loader import resolve_model_path
     from srt.tokenizer_utils import get_tokenizer
 
     model_dir = resolve_model_path(None)

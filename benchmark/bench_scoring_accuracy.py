@@ -1,5 +1,5 @@
 """How close bf16 prompt logprobs are to the fp32 model's: eager prefill, compiled prefill
-(``srt/compiled_prefill.py``) and transformers, all on the same prompts.
+(``srt/model_executor/compiled/prefill.py``) and transformers, all on the same prompts.
 
     .venv/bin/python benchmark/bench_scoring_accuracy.py [--num-prompts 32]
 
@@ -35,7 +35,7 @@ def scores(model_dir: str, prompts: list[list[int]], dtype: str, compiled: bool)
 
 
 def main() -> None:
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_loader import resolve_model_path
     from srt.tokenizer_utils import get_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -237,7 +237,7 @@ def bench_case(sched, spec_config, tok, case: str, bs: int, rounds: int) -> dict
 
 
 def main():
-    from srt.cpu_allocator import reexec_with_allocator
+    from srt.model_executor.cpu_allocator import reexec_with_allocator
 
     reexec_with_allocator()  # measure with the allocator the server's ranks use
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,8 +249,8 @@ def main():
     p.add_argument("--breakdown", default="", help="case:bs whose per-step breakdown is printed "
                    "(default: the first measured), e.g. chat:4")
     args = p.parse_args()
-    from srt.model_loader import resolve_model_path
-    from srt.model_runner import cpu_has_native_bf16
+    from srt.model_executor.model_loader import resolve_model_path
+    from srt.model_executor.model_runner import cpu_has_native_bf16
 
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cpu_has_native_bf16() else "float32")
     extra = dict(kv.split("=") for kv in args.server_args.split(",") if kv)

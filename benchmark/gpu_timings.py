@@ -100,7 +100,7 @@ def decode_attention_rows() -> list[tuple[str, str, str]]:
 def cuda_graph_rows() -> list[tuple[str, str, str]]:
     """The served decode step of the embedded model with CUDA graphs vs eager."""
     import step_breakdown
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_loader import resolve_model_path
     from srt.tokenizer_utils import apply_chat_template, get_tokenizer
 
     from bench_offline import chat_prompts

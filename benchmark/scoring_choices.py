@@ -144,7 +144,7 @@ def serve(name: str, argv: list[str], concurrency: int):
 
 
 def run(args) -> dict:
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_loader import resolve_model_path
     from srt.tokenizer_utils import get_tokenizer
 
     dtype, threads, server_argv, flags = server_setup(args)

@@ -21,7 +21,7 @@ def make_scheduler(model_dir: str, dtype: str, max_running: int, **server_kwargs
 
     from distributed.parallel_state import SINGLE_RANK, RankInfo
     from srt.scheduler.scheduler import Scheduler
-    from srt.model_config import ModelConfig
+    from srt.model_executor.model_config import ModelConfig
     from srt.server_args import ServerArgs
 
     args = ServerArgs(model_path=model_dir, random_seed=0, dtype=dtype, max_running_requests=max_running,
@@ -85,7 +85,7 @@ def breakdown(sched, prompts_ids, concurrency: int, new_tokens: int, eager_split
     eager forward split."""
     batch = [prompts_ids[i % len(prompts_ids)] for i in range(concurrency)]
     # A whole untimed pass first: with 4 warm-up tokens the first level measured read 1.2-1.3x
-    # slow (first touches of the KV pool's pages, the machine settling; docs/speed.md).
+    # slow (first touches of the KV pool's pages, the machine settling; docs/speed-history.md).
     _decode(sched, batch, new_tokens, f"warm{concurrency}")
     steps = _decode(sched, batch, new_tokens, f"c{concurrency}")
     phases = sched.step_stats.mode("DECODE").per_step_ms()

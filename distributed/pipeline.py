@@ -4,7 +4,7 @@ A DP group of ``pp_size x tp_size`` ranks runs one scheduler loop per rank, as T
 does: every rank sees the same requests and makes the same decisions. Its stages hold
 consecutive decoder layers; a step's activations go stage to stage point-to-point (each
 TP rank to the same TP rank of the next stage), in micro-batches so the stages overlap
-(``srt/pipeline_forward.py``).
+(``srt/model_executor/pipeline_forward.py``).
 
 What keeps the stages in lock-step is the same as for TP, over a wider group:
 - ``ctrl``, a gloo group over the whole DP group, carries the request broadcast (from the

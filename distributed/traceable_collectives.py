@@ -5,7 +5,7 @@ segment), and tracing torch's own ``dist.all_reduce`` instead pins a compiled st
 gloo (~1.6 ms a call on loopback against ~10 us through the segment: 61 calls a decode
 step). As ``torch.library`` custom ops they are one opaque call each inside the graph:
 Inductor schedules around them, and when the graph runs they call the eager functions of
-``communication.py`` (segment, gloo fallback, ``without_peers``). vLLM compiles its TP
+``eager_collectives.py`` (segment, gloo fallback, ``without_peers``). vLLM compiles its TP
 collectives the same way.
 
 A custom op takes tensors and plain values, not a process-group object, so a group is
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from distributed.eager_collectives import eager_all_gather_last_dim, eager_all_reduce
 from distributed.parallel_state import TPGroup
 
 _GROUPS: dict[str, TPGroup] = {}
@@ -44,8 +45,6 @@ def all_gather_last_dim(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 @torch.library.custom_op("gramsync::tp_all_reduce", mutates_args=())
 def _all_reduce_op(x: torch.Tensor, group: str) -> torch.Tensor:
-    from distributed.communication import eager_all_reduce
-
     return eager_all_reduce(x.clone(), _group(group))  # functional: the input stays as it was
 
 
@@ -56,8 +55,6 @@ def _(x: torch.Tensor, group: str) -> torch.Tensor:
 
 @torch.library.custom_op("gramsync::tp_all_gather_last_dim", mutates_args=())
 def _all_gather_op(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
-    from distributed.communication import eager_all_gather_last_dim
-
     return eager_all_gather_last_dim(x, _group(group))
 
 

@@ -93,6 +93,7 @@ class ServerArgs:
     # Parallelism
     tp_size: int = _f(1, "Tensor-parallel size: ranks that shard one copy of the model.")
     dp_size: int = _f(1, "Data-parallel size: independent TP groups; the frontend spreads requests over them.")
+    ep_size: int = _f(1, "Expert-parallel size (mixture-of-experts models): 1 splits every expert over the --tp-size ranks along its intermediate dimension; equal to --tp-size places whole experts on the ranks instead (docs/models.md).")
     pp_size: int = _f(1, "Pipeline-parallel size (docs/multi-rank.md 'Pipeline parallelism'): stages that each hold consecutive decoder layers, each stage --tp-size ranks; a DP group is --pp-size x --tp-size ranks.")
     pp_max_micro_batch_size: Optional[int] = _f(None, "Most sequences in one pipeline micro-batch; default: each step is split into --pp-size micro-batches of about equal tokens.")
     pp_layer_partition: Optional[str] = _f(None, "Decoder layers per pipeline stage, comma-separated (e.g. 16,14); default: an even split, the remainder on the first stages.")
@@ -114,6 +115,9 @@ class ServerArgs:
     def _check_pipeline(self) -> None:
         if self.pp_size < 1:
             raise ValueError("--pp-size must be at least 1")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"--ep-size must be 1 (experts split over the TP ranks) or --tp-size "
+                             f"({self.tp_size}: whole experts per rank), got {self.ep_size}")
         if self.pp_max_micro_batch_size is not None and self.pp_max_micro_batch_size < 1:
             raise ValueError("--pp-max-micro-batch-size must be at least 1")
         if self.pp_layer_partition is not None:

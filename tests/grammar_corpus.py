@@ -21,7 +21,7 @@ those cases are only for the llguidance backend and for ``auto`` (which routes t
 llguidance).
 
 Run ``python tests/grammar_corpus.py`` for the offline self-check (needs the embedded model's
-tokenizer: ``srt.model_loader.resolve_model_path(None)``).
+tokenizer: ``srt.model_executor.model_loader.resolve_model_path(None)``).
 """
 from __future__ import annotations
 
@@ -719,7 +719,7 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from transformers import AutoTokenizer
 
-    from srt.model_loader import resolve_model_path
+    from srt.model_executor.model_loader import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
     t0 = time.time()

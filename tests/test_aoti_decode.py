@@ -1,4 +1,4 @@
-"""The decode graphs as AOTInductor packages (srt/aoti_decode.py) against the eager step.
+"""The decode graphs as AOTInductor packages (srt/model_executor/compiled/aoti_decode.py) against the eager step.
 
 The suite's tiny model (tests/tiny_model.py, cut to one layer, fp32; on SmolLM2 the
 package held 244 MB of constants and took twice as long), real ``torch.export`` and
@@ -19,8 +19,8 @@ import zipfile
 import pytest
 import torch
 
-from srt.aoti_decode import DecodePackages
-from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.compiled.aoti_decode import DecodePackages
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.cpu_gemv import cpu_runs
 from srt.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -28,8 +28,8 @@ from srt.mem_cache.memory_pool import MHATokenToKVPool
 @pytest.fixture(scope="module")
 def runner(tiny_dir):
     from distributed.parallel_state import SINGLE_RANK, RankInfo
-    from srt.model_config import ModelConfig
-    from srt.model_runner import ModelRunner
+    from srt.model_executor.model_config import ModelConfig
+    from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs, parse_model_overrides
 
     overrides = '{"num_hidden_layers": 1}'
@@ -133,8 +133,8 @@ def test_cpu_int4_model_builds_a_package_that_matches_its_eager_step(tiny_dir, t
     pytest.importorskip("torchao")
     from distributed.parallel_state import SINGLE_RANK, RankInfo
     from srt.layers.cpu_int8_linear import Int8Weight
-    from srt.model_config import ModelConfig
-    from srt.model_runner import ModelRunner
+    from srt.model_executor.model_config import ModelConfig
+    from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs, parse_model_overrides
 
     overrides = '{"num_hidden_layers": 1}'

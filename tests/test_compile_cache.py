@@ -1,4 +1,4 @@
-"""The compiled steps kept across restarts (srt/compile_cache.py, srt/compile_builder.py).
+"""The compiled steps kept across restarts (srt/model_executor/compiled/cache.py, srt/model_executor/compiled/builder.py).
 
 - The cache folder's key follows the checkpoint's bytes, the flags, dtype and TP rank, so
   a stale or foreign build is never loaded; the cache can be turned off.
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from conftest import _launch_server
-from srt.compile_cache import (GRAPH_SOURCES, allow_frozen_mkldnn_weights, cache_complete, code_digest,
+from srt.model_executor.compiled.cache import (GRAPH_SOURCES, allow_frozen_mkldnn_weights, cache_complete, code_digest,
                                compile_cache_key, use_compile_cache)
 from srt.server_args import ServerArgs
 
@@ -74,7 +74,7 @@ def test_code_digest_follows_the_graph_sources(tmp_path):
     assert code_digest(str(tmp_path), ("pkg", "one.py")) == base
     (tmp_path / "pkg" / "layer.py").write_text("x = 3\n")
     assert code_digest(str(tmp_path), ("pkg", "one.py")) != base
-    import srt.compile_cache as cc
+    import srt.model_executor.compiled.cache as cc
     for src in GRAPH_SOURCES:
         assert os.path.exists(os.path.join(cc._REPO, src)), src
     assert "srt/layers" in GRAPH_SOURCES and "srt/models" in GRAPH_SOURCES
@@ -116,7 +116,7 @@ ARGS = ["--enable-torch-compile", "--max-running-requests", "3", "--log-level", 
         "--json-model-override-args", json.dumps({"num_hidden_layers": 2})]
 PACKAGE_BUILT = re.compile(r"decode package for batches [0-9-]+ built")
 PACKAGE_LOADED = re.compile(r"decode package for batches [0-9-]+ loaded")
-READY = re.compile(r"INFO srt\.model_runner: .*compiled steps ready \(Inductor's cache: hits (\d+), misses (\d+), bypassed (\d+)\)")
+READY = re.compile(r"INFO srt\.model_executor\.model_runner: .*compiled steps ready \(Inductor's cache: hits (\d+), misses (\d+), bypassed (\d+)\)")
 
 
 def _greedy(base: str) -> list[int]:

@@ -32,7 +32,7 @@ LAYERS = 4
 def _scheduler(model_dir, tokenizer, **kwargs):
     from distributed.parallel_state import SINGLE_RANK, RankInfo
     from srt.scheduler.scheduler import Scheduler
-    from srt.model_config import ModelConfig
+    from srt.model_executor.model_config import ModelConfig
     from srt.server_args import ServerArgs, parse_model_overrides
 
     overrides = f'{{"num_hidden_layers": {LAYERS}}}'
@@ -101,7 +101,7 @@ def test_batches_past_max_bs_run_eagerly(smollm2_dir, smollm2_tokenizer, schedul
     compiled, _ = schedulers
     cd = compiled.runner.compiled_decode
     assert cd.max_bs == 8  # min(--torch-compile-max-bs, --max-running-requests)
-    from srt.forward_batch import ForwardBatch, ForwardMode
+    from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
     big = ForwardBatch(ForwardMode.DECODE, *([torch.zeros(9, dtype=torch.long)] * 5),
                        [1] * 9, [1] * 9, [0] * 9, None, None)

@@ -49,7 +49,7 @@ def tp1_reference(smollm2_dir, smollm2_tokenizer):
     """TP=1, eager, same layers and dtype: {prompt ids: greedy ids}."""
     from distributed.parallel_state import SINGLE_RANK, RankInfo
     from sampling.sampling_params import SamplingParams
-    from srt.model_config import ModelConfig
+    from srt.model_executor.model_config import ModelConfig
     from srt.scheduler.scheduler import Scheduler
     from srt.server_args import ServerArgs, parse_model_overrides
     from srt.transport.io_struct import TokenizedGenerateReq

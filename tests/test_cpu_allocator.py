@@ -1,4 +1,4 @@
-"""The preloaded allocator (srt/cpu_allocator.py): which library, and that the processes
+"""The preloaded allocator (srt/model_executor/cpu_allocator.py): which library, and that the processes
 we start really map it (real subprocesses, read from their /proc/self/maps)."""
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from srt import cpu_allocator
-from srt.cpu_allocator import allocator_library, children_preloaded, preload_env
+from srt.model_executor import cpu_allocator
+from srt.model_executor.cpu_allocator import allocator_library, children_preloaded, preload_env
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD is Linux's")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REPORT = "from srt.cpu_allocator import loaded_allocator; print(loaded_allocator())"
+REPORT = "from srt.model_executor.cpu_allocator import loaded_allocator; print(loaded_allocator())"
 
 
 def _run(code: str, env: dict) -> str:
@@ -55,7 +55,7 @@ def test_preload_env_puts_ours_first_once():
 
 
 def test_reexec_maps_the_allocator_and_honours_system():
-    code = f"from srt.cpu_allocator import reexec_with_allocator; reexec_with_allocator(); {REPORT}"
+    code = f"from srt.model_executor.cpu_allocator import reexec_with_allocator; reexec_with_allocator(); {REPORT}"
     assert "libmimalloc.so" in _run(code, _env())
     assert _run(code, _env(GRAMSYNC_MALLOC="system")) == "None"
 
@@ -64,7 +64,7 @@ def test_an_allocator_the_user_preloads_is_kept_and_nothing_is_added():
     """A process started with an allocator already in LD_PRELOAD (here mimalloc through a
     name of the user's own choosing) is not re-executed, and its LD_PRELOAD is untouched."""
     user_lib = allocator_library("mimalloc")
-    code = ("import os; from srt.cpu_allocator import reexec_with_allocator; reexec_with_allocator(); "
+    code = ("import os; from srt.model_executor.cpu_allocator import reexec_with_allocator; reexec_with_allocator(); "
             "print(os.environ['LD_PRELOAD'], os.environ.get('GRAMSYNC_MALLOC_REEXEC'))")
     out = _run(code, _env(LD_PRELOAD=user_lib, GRAMSYNC_MALLOC="system"))
     assert out == f"{user_lib} None"

@@ -18,7 +18,7 @@ pytest.importorskip("torchao")
 
 def _scheduler(model_dir, tokenizer, **kwargs):
     from distributed.parallel_state import SINGLE_RANK, RankInfo
-    from srt.model_config import ModelConfig
+    from srt.model_executor.model_config import ModelConfig
     from srt.scheduler.scheduler import Scheduler
     from srt.server_args import ServerArgs
 

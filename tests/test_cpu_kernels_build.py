@@ -63,7 +63,7 @@ def test_a_ranks_modules_load_without_dynamo():
     """Dynamo costs 1.5 s of CPU to import; eager ranks never trace, so the modules a rank
     imports at its start (scheduler_process._RANK_MODULES) must not pull it in."""
     code = ("import importlib, sys; from srt.scheduler.scheduler_process import _RANK_MODULES; "
-            "[importlib.import_module(m) for m in _RANK_MODULES]; import srt.model_loader; "
+            "[importlib.import_module(m) for m in _RANK_MODULES]; import srt.model_executor.model_loader; "
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

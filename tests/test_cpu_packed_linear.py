@@ -65,8 +65,8 @@ def test_layers_use_the_packed_weight_eagerly_and_f_linear_under_compile():
 
 def _runner(model_dir, **kwargs):
     from distributed.parallel_state import RankInfo
-    from srt.model_config import ModelConfig
-    from srt.model_runner import ModelRunner
+    from srt.model_executor.model_config import ModelConfig
+    from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs
 
     args = ServerArgs(model_path=model_dir, max_total_tokens=256, max_running_requests=2, dtype="float32", **kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.cuda_graph_runner import capture_batch_sizes
+from srt.model_executor.cuda_graph_runner import capture_batch_sizes
 from srt.server_args import ServerArgs
 
 

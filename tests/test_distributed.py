@@ -317,7 +317,7 @@ def test_grammar_agreement_per_tp_group(world4):
 # -- TP head padding ---------------------------------------------------------------------
 @pytest.mark.parametrize("tp,expected", [(1, (9, 3)), (2, (12, 4)), (3, (9, 3)), (4, (12, 4))])
 def test_padded_heads_smollm2_shape(tp, expected):
-    from srt.model_config import ModelConfig
+    from srt.model_executor.model_config import ModelConfig
 
     cfg = ModelConfig(model_path="x", architecture="LlamaForCausalLM", hf_config=None,
                       vocab_size=300, hidden_size=576, intermediate_size=1536, num_hidden_layers=1,
@@ -341,9 +341,9 @@ PROMPTS = [[5, 17, 230, 4, 99, 150, 7, 8, 260], [1], [42, 43, 44, 45]]
 
 def _run_tiny(model_dir: str, tp: TPGroup) -> list:
     """Logits of a prefill (all positions) and two greedy decode steps: [prefill, d1, d2]."""
-    from srt.forward_batch import ForwardMode
-    from srt.model_config import ModelConfig
-    from srt.model_loader import load_model
+    from srt.model_executor.forward_batch import ForwardMode
+    from srt.model_executor.model_config import ModelConfig
+    from srt.model_executor.model_loader import load_model
 
     cfg = ModelConfig.from_path(model_dir)
     model = load_model(cfg, tp, torch.float32, "cpu")

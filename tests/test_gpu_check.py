@@ -68,7 +68,7 @@ def test_sampler_row_says_how_many_speed_goals_were_met():
 
 
 def test_self_check_batch_is_at_serving_lengths_and_runs(smollm2_dir, smollm2_tokenizer):
-    from srt.cuda_graph_runner import real_length_inputs
+    from srt.model_executor.cuda_graph_runner import real_length_inputs
     from tests.test_compiled_decode import _scheduler
 
     runner = _scheduler(smollm2_dir, smollm2_tokenizer, disable_torch_compile=True).runner

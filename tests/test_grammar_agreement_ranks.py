@@ -128,7 +128,7 @@ def _identical_batch_logs(log_dir, timeout: float = 15.0, ranks=("DP0_TP0", "DP0
             assert rids == "0", f"a rank's own sample differed from the agreed ids: {line}"
             assert int(step) == len(batches) - 1, line
             continue
-        if mode in ("CACHE", "FORCED", "VERIFIED"):  # radix digest / forced / speculated tokens
+        if mode in ("CACHE", "FORCED", "VERIFIED", "ROUTING"):  # radix digest / forced / speculated tokens / experts
             assert int(step) == len(batches) - 1, line  # (equal on both ranks: lines matched)
             continue
         assert int(step) == len(batches), f"steps not consecutive at: {line}"

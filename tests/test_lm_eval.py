@@ -82,7 +82,7 @@ def server_device(server_args) -> str:
 @pytest.fixture(scope="module")
 def server_dtype(server_args, server_device) -> torch.dtype:
     """The dtype the server runs in (``--dtype auto`` resolved as the server resolves it)."""
-    from srt.model_runner import resolve_dtype
+    from srt.model_executor.model_runner import resolve_dtype
 
     return resolve_dtype(server_args, server_device)
 

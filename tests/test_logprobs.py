@@ -155,7 +155,7 @@ def test_raw_mode_reports_the_model_distribution(smollm2_dir, smollm2_tokenizer,
     from sampling.sampling_params import SamplingParams
     from srt.transport.io_struct import LogprobRequest, TokenizedGenerateReq
     from srt.scheduler.scheduler import Scheduler
-    from srt.model_config import ModelConfig
+    from srt.model_executor.model_config import ModelConfig
     from srt.server_args import ServerArgs
 
     args = ServerArgs(model_path=smollm2_dir, dtype="float32", random_seed=0, max_total_tokens=1024,

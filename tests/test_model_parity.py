@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from distributed.parallel_state import TPGroup
-from srt.forward_batch import ForwardBatch, ForwardMode
-from srt.layers.cpu_packed_linear import pack_linear_weights
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.weight_packing import pack_linear_weights
 from srt.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                QKVParallelLinear, RowParallelLinear)
 from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from srt.model_config import ModelConfig
-from srt.model_loader import load_model, resolve_model_path
+from srt.model_executor.model_config import ModelConfig
+from srt.model_executor.model_loader import load_model, resolve_model_path
 
 RTOL = 1e-4
 DECODE_STEPS = 3
@@ -301,7 +301,7 @@ def test_embedded_model_missing_message(monkeypatch):
 
 
 def test_gguf_second_resolve_hits_cache(smollm2_dir, monkeypatch):
-    import srt.model_loader as ml
+    import srt.model_executor.model_loader as ml
 
     def no_reconversion(*a, **k):
         raise AssertionError("the cached conversion should have been reused")

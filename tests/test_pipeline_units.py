@@ -11,14 +11,14 @@ import torch
 
 from constrained.grammar_manager import GrammarManager
 from distributed.parallel_state import RankInfo, TPGroup, local_world_ranks
-from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention.layer import prepare_attention
 from srt.layers.attention.torch_native import TorchNativeAttnBackend
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from srt.model_config import ModelConfig
-from srt.model_loader import load_model
-from srt.models.decoder import StageLayers
-from srt.pipeline_forward import micro_batch_count, split_forward_batch, stage_layers
+from srt.model_executor.model_config import ModelConfig
+from srt.model_executor.model_loader import load_model
+from srt.models.decoder_stack import StageLayers
+from srt.model_executor.pipeline_forward import micro_batch_count, split_forward_batch, stage_layers
 from srt.server_args import ServerArgs
 
 

@@ -20,7 +20,7 @@ from distributed.parallel_state import SINGLE_RANK, RankInfo
 from srt.transport.io_struct import TokenizedGenerateReq
 from srt.scheduler.req import Req
 from srt.scheduler.scheduler import Scheduler
-from srt.model_config import ModelConfig
+from srt.model_executor.model_config import ModelConfig
 from srt.server_args import ServerArgs
 from test_custom_logit_processor import BoostTokens
 

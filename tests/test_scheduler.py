@@ -10,7 +10,7 @@ from sampling.custom_logit_processor import CustomLogitProcessor
 from sampling.sampling_params import SamplingParams
 from srt.transport.io_struct import AbortReq, TokenizedGenerateReq
 from srt.scheduler.scheduler import Scheduler
-from srt.model_config import ModelConfig
+from srt.model_executor.model_config import ModelConfig
 from srt.server_args import ServerArgs
 from srt.tokenizer_utils import apply_chat_template
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from srt.layers.attention import create_attention_backend
-from srt.forward_batch import ForwardMode
+from srt.model_executor.forward_batch import ForwardMode
 from srt.layers.attention.torch_native import DECODE_KEY_BUCKET, TorchNativeAttnBackend, decode_attention
 from srt.server_args import ServerArgs
 
@@ -195,7 +195,7 @@ def test_int4wo_group_must_divide_the_inputs():
 def test_compiled_small_batches_run_attention_matmuls_in_fp32(batch, matmul_dtype):
     """The torch decode-attention path (the fallback of gramsync's op, and its reference): in a
     compiled step up to FP32_ATTENTION_MAX_ROWS rows (the small-batch graphs) its
-    two attention matmuls of a bf16 model run in fp32 (faster at these shapes, docs/speed.md);
+    two attention matmuls of a bf16 model run in fp32 (faster at these shapes, docs/speed-history.md);
     larger batches keep bf16. The traced graph is read: which dtype each matmul got."""
     import srt.layers.attention.torch_native as native
 
@@ -226,7 +226,7 @@ def test_small_batch_graphs_leave_the_cpp_gemm_template_out_only_for_bf16_withou
     """bf16 on AVX512-BF16 without AMX: oneDNN alone (the template's fp32-widening bf16
     kernel lost the batch-1 step, 13.4 vs 10.0 ms); with AMX, and in fp32, the template
     stays a max-autotune candidate. The graphs of a real CompiledDecode get these options."""
-    import srt.compiled_decode as cd
+    import srt.model_executor.compiled.decode as cd
 
     assert cd.small_batch_options(torch.bfloat16, ["avx2", "avx512_bf16"])["max_autotune_gemm_backends"] == "ATEN"
     assert cd.small_batch_options(torch.bfloat16, ["avx512_bf16", "amx_bf16"])["max_autotune_gemm_backends"] == "CPP,ATEN"

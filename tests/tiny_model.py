@@ -24,30 +24,39 @@ import shutil
 CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
               rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+# The MoE twin (tiny_moe_dir): the same attention, Qwen3-MoE's blocks (8 experts, 2 a token;
+# layer 2 dense through mlp_only_layers, so both kinds of layer are served).
+MOE_CONFIG = dict(CONFIG, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+                  num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[2])
 INIT_STD = 0.08
 SEED = 0
 # Not generation_config.json: save_pretrained writes the tiny model's own.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
-def _recipe_key(vocab_size: int) -> str:
+def _recipe_key(vocab_size: int, family: str) -> str:
     import transformers
 
-    recipe = json.dumps({"config": CONFIG, "vocab": vocab_size, "std": INIT_STD, "seed": SEED,
-                         "transformers": transformers.__version__}, sort_keys=True)
+    config = CONFIG if family == "llama" else MOE_CONFIG
+    recipe = {"config": config, "vocab": vocab_size, "std": INIT_STD, "seed": SEED,
+              "transformers": transformers.__version__}
+    if family != "llama":  # the Llama recipe's key stays what it was
+        recipe["family"] = family
+    recipe = json.dumps(recipe, sort_keys=True)
     return hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
 
-def tiny_model_dir(smollm2_dir: str, cache_root: str) -> str:
-    """The tiny model's directory (built once, then reused; safe against a concurrent build)."""
+def tiny_model_dir(smollm2_dir: str, cache_root: str, family: str = "llama") -> str:
+    """The tiny model's directory (built once, then reused; safe against a concurrent build).
+    ``family``: ``llama``, or ``qwen3_moe`` for the mixture-of-experts twin."""
     with open(os.path.join(smollm2_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
-    target = os.path.join(cache_root, "tiny", _recipe_key(vocab))
+    target = os.path.join(cache_root, "tiny", _recipe_key(vocab, family))
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
     tmp = f"{target}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    _build(smollm2_dir, vocab, tmp)
+    _build(smollm2_dir, vocab, tmp, family)
     try:
         os.rename(tmp, target)  # atomic: a reader sees the whole directory or none
     except OSError:  # another process finished first
@@ -55,13 +64,20 @@ def tiny_model_dir(smollm2_dir: str, cache_root: str) -> str:
     return target
 
 
-def _build(smollm2_dir: str, vocab: int, out: str) -> None:
+def _build(smollm2_dir: str, vocab: int, out: str, family: str) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers as tf
 
-    config = LlamaConfig(vocab_size=vocab, initializer_range=INIT_STD, **CONFIG)
+    if family == "llama":
+        config, cls = tf.LlamaConfig(vocab_size=vocab, initializer_range=INIT_STD, **CONFIG), tf.LlamaForCausalLM
+    elif family == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(vocab_size=vocab, initializer_range=INIT_STD, **MOE_CONFIG)
+        cls = tf.Qwen3MoeForCausalLM
+    else:
+        raise KeyError(family)
+    config.architectures = [cls.__name__]
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config).eval()
+    model = cls(config).eval()
     with torch.no_grad():  # RMSNorm weights start at 1: keep them, draw everything else
         for name, p in model.named_parameters():
             if not name.endswith("norm.weight"):

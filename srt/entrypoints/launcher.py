@@ -26,7 +26,7 @@ from srt.transport.io_struct import READY_CODEC, PortArgs, RankReady, SchedulerI
 from srt.scheduler.scheduler_process import RankLaunch, run_scheduler_process
 from srt.transport.wire import DropCounter, recv_message
 from srt.transport.zmq_transport import transport_for
-from srt.model_loader import resolve_model_path
+from srt.model_executor.model_loader import resolve_model_path
 from srt.process_utils import PEER_LOST_EXIT_CODE
 from srt.server_args import ServerArgs
 
@@ -117,7 +117,7 @@ class SchedulerHandles:
 
 def spawn_local_ranks(server_args: ServerArgs, port_args: Optional[PortArgs],
                       dist: DistConfig, defer_stop_signals: bool = False) -> list[mp.Process]:
-    from srt.cpu_allocator import children_preloaded
+    from srt.model_executor.cpu_allocator import children_preloaded
 
     ctx = mp.get_context("spawn")
     procs = []

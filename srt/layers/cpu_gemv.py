@@ -38,7 +38,7 @@ def gemv_wanted() -> bool:
 
 def cpu_runs(dtype: torch.dtype) -> bool:
     """This CPU has the instructions the kernel needs for ``dtype``."""
-    from srt.compile_cache import cpu_flags
+    from srt.model_executor.compiled.cache import cpu_flags
 
     flags = set(cpu_flags())
     if dtype == torch.float32:

@@ -19,7 +19,6 @@ import logging
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -48,26 +47,3 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> to
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, w.qdata, w.group, w.scale_and_zero)
     y = y[:, :w.out_features].to(x.dtype).reshape(*x.shape[:-1], w.out_features)
     return y + bias if bias is not None else y
-
-
-def quantize_model_int4(model: nn.Module, group: int, log_prefix: str, head: bool = True) -> int:
-    """Every linear layer and the LM head get an ``Int4Weight`` in ``packed_weight``; a
-    linear layer's dense weight becomes a meta tensor (shape and dtype kept, no memory).
-    ValueError where a layer's input size is not a multiple of ``group``."""
-    from srt.layers.linear import _TPLinear
-    from srt.layers.vocab_parallel_embedding import ParallelLMHead
-
-    count = 0
-    for name, module in model.named_modules():
-        if not isinstance(module, _TPLinear) and not (head and isinstance(module, ParallelLMHead)):
-            continue
-        if module.weight.shape[1] % group:
-            raise ValueError(f"--torchao-config int4wo-{group}: {name} has {module.weight.shape[1]} inputs, "
-                             f"not a multiple of the group size {group}")
-        module.packed_weight = quantize_int4(module.weight, group)
-        if isinstance(module, _TPLinear):
-            module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
-        count += 1
-    logger.info("%s int4 weights (group %d, torch's CPU int4 kernel) for %d linear layers",
-                log_prefix, group, count)
-    return count

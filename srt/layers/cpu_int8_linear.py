@@ -15,7 +15,6 @@ import logging
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +42,3 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> to
     y = torch.ops.aten._weight_int8pack_mm(rows, w.qdata, w.scales)
     y = y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
     return y + bias if bias is not None else y
-
-
-def quantize_head_int8(model: nn.Module, log_prefix: str) -> int:
-    """The LM head gets an ``Int8Weight`` in ``packed_weight``; its dense weight stays (a
-    tied embedding reads it). Returns the number of heads quantized (0 or 1 per rank)."""
-    from srt.layers.vocab_parallel_embedding import ParallelLMHead
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, ParallelLMHead):
-            module.packed_weight = quantize_int8(module.weight)
-            count += 1
-    logger.info("%s int8 LM head (torch's CPU int8 kernel, one scale per row)", log_prefix)
-    return count

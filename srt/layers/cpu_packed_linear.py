@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch import nn
 
 from srt.layers.cpu_gemv import small_linear, use_gemv
 from srt.layers.cpu_int4_linear import Int4Weight, int4_linear
@@ -58,25 +57,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
         y = small_linear(x, weight)
         return y if bias is None else y + bias
     return torch.nn.functional.linear(x, weight, bias)
-
-
-def pack_linear_weights(model: nn.Module, dtype: torch.dtype, log_prefix: str) -> int:
-    """Give every linear layer and the LM head its weight packed. A linear layer's dense
-    weight becomes a meta tensor (shape and dtype kept, no memory): only a compiled step or
-    torchao would read it, and neither runs on a packed model. The LM head keeps its dense
-    weight (a tied embedding reads it). Returns the number of layers packed."""
-    from srt.layers.linear import _TPLinear
-    from srt.layers.vocab_parallel_embedding import ParallelLMHead
-
-    if not packing_supported(dtype):
-        return 0
-    count = 0
-    for module in model.modules():
-        if (isinstance(module, (_TPLinear, ParallelLMHead)) and module.weight.dtype == dtype
-                and getattr(module, "packed_weight", None) is None):  # int4 layers keep theirs
-            module.packed_weight = pack_weight(module.weight)
-            if isinstance(module, _TPLinear):
-                module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
-            count += 1
-    logger.info("%s oneDNN-packed weights for %d eager linear layers", log_prefix, count)
-    return count

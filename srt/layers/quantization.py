@@ -46,11 +46,13 @@ def apply_torchao_config(model: nn.Module, config: str, device: str, log_prefix:
     elif config.startswith("int4wo-"):
         group = _int4_group(config)
         if not str(device).startswith("cuda"):
-            from srt.layers.cpu_int4_linear import int4_supported, quantize_model_int4
+            from srt.layers.cpu_int4_linear import int4_supported
+            from srt.layers.weight_packing import quantize_model_int4
 
             if not int4_supported():
                 raise ValueError(f"--torchao-config {config}: this torch has no CPU int4 kernel")
-            from srt.layers.cpu_int8_linear import int8_supported, quantize_head_int8
+            from srt.layers.cpu_int8_linear import int8_supported
+            from srt.layers.weight_packing import quantize_head_int8
 
             quantize_model_int4(model, group, log_prefix, head=False)
             if int8_supported():

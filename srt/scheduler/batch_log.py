@@ -10,7 +10,9 @@ decode=<0|1> prefill=<0|1>``: the step every rank switched in, and which compile
 it uses (0: stays eager); with the
 radix cache on, ``<step> CACHE <digest> <evicted>`` after every batch: a hash of the whole
 prefix tree (keys, slots, locks) once the batch's requests were cached or released, and
-the tokens evicted so far. The ranks of a TP group must write identical files:
+the tokens evicted so far; for a mixture-of-experts model, ``<step> ROUTING <digest>``
+after each step that ran eagerly: a hash of every expert choice of every MoE layer
+(srt/layers/moe/routing_digest.py). The ranks of a TP group must write identical files:
 comparing them is how lock-step is checked (the multi-rank tests do) and how a
 divergence is found in production.
 """
@@ -37,6 +39,10 @@ class BatchLog:
         os.makedirs(directory, exist_ok=True)
         return cls(os.path.join(directory, f"batches_{rank_info.name}.log"))
 
+    @property
+    def enabled(self) -> bool:
+        return self._file is not None
+
     def record(self, mode: str, rids) -> None:
         if self._file is not None:
             self._file.write(f"{self._step} {mode} {','.join(rids)}\n")
@@ -62,6 +68,11 @@ class BatchLog:
     def record_compiled(self, decode: bool, prefill: bool) -> None:
         if self._file is not None:
             self._file.write(f"{self._step} COMPILED decode={int(decode)} prefill={int(prefill)}\n")
+
+    def record_routing(self, digest: Optional[str]) -> None:
+        """The experts this step's tokens went to (None: the step ran compiled)."""
+        if self._file is not None and digest is not None:
+            self._file.write(f"{self._step - 1} ROUTING {digest}\n")
 
     def record_cache(self, digest: Callable[[], str], evicted: int) -> None:
         """``digest`` is only computed when the log is on (it walks the whole tree)."""

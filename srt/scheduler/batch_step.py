@@ -23,7 +23,7 @@ import torch
 from distributed.pipeline import broadcast_sampled_ids
 from distributed.token_agreement import agree_on_sampled_ids
 from sampling.sampling_batch_info import SamplingBatchInfo
-from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.transport.io_struct import FinishReason
 from srt.scheduler.logprob_tracker import (PromptLogprobRows, logprob_rows, plan_prompt_logprobs,
                                           record_output_logprobs, record_prompt_logprobs)
@@ -60,7 +60,7 @@ class BatchStep:
 class BatchStepMixin(SpecStepMixin):
     """``Scheduler``'s batch phases. They use its kv, runner, tp, rank_info, batch_log,
     step_stats, generator, mask_executor, tokenizer, vocab_size, fast-forward settings,
-    request sets (waiting, running, running_info, reqs) and ``_keep_running``."""
+    request sets (waiting, running, running_info, reqs), ``routing_digest`` and ``_keep_running``."""
 
     def _run_batch(self, mode: ForwardMode, reqs: list[Req]) -> None:
         """prepare -> forward -> sample -> process results -> update the running set.
@@ -71,6 +71,8 @@ class BatchStepMixin(SpecStepMixin):
         steps, fb = self._prepare(mode, reqs)
         with stats.phase("forward"):
             self._forward(steps, fb)
+        if self.routing_digest is not None:
+            self.batch_log.record_routing(self.routing_digest.pop())
         for step in steps:
             with stats.phase("sampling") as sampling:
                 if not self._drop_unsampled(step):  # nothing to sample: only the forward is timed

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from srt.forward_batch import ForwardBatch, ForwardMode, mixed_batch
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, mixed_batch
 from srt.scheduler.req import Req
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.mem_cache.prompt_logprob_pool import PromptLogprobPool

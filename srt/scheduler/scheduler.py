@@ -23,7 +23,8 @@ from distributed.parallel_state import RankInfo, TPGroup
 from distributed.pipeline import PipelineGroup
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
-from srt.forward_batch import ForwardMode
+from srt.model_executor.forward_batch import ForwardMode
+from srt.layers.moe.routing_digest import attach_routing_digest
 from srt.scheduler.batch_log import BatchLog
 from srt.scheduler.batch_step import BatchStepMixin
 from srt.scheduler.logprob_tracker import take_logprob_deltas
@@ -35,8 +36,8 @@ from srt.scheduler.schedule_policy import PrefillAdder
 from srt.scheduler.step_stats import StepStats
 from srt.mem_cache.radix_cache import RadixCache
 from srt.metrics.scheduler_reporter import SchedulerMetricsReporter
-from srt.model_config import ModelConfig
-from srt.model_runner import ModelRunner
+from srt.model_executor.model_config import ModelConfig
+from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 from srt.speculative.spec_state import spec_config_from_args
 
@@ -97,6 +98,8 @@ class Scheduler(BatchStepMixin):
         self.step_stats = StepStats()  # per-phase seconds and counters, for benchmarks and logs
         # --enable-metrics, entry rank only: throttled SchedulerMetrics to the frontend.
         self.metrics_reporter = SchedulerMetricsReporter.create(server_args, rank_info)
+        # Mixture of experts: every step's expert choices in the batch log (ranks must agree).
+        self.routing_digest = attach_routing_digest(r.model) if self.batch_log.enabled else None
 
     def grammar_manager_kwargs(self) -> dict:
         """What a GrammarManager of this rank needs from the runtime (also for benchmarks

@@ -64,7 +64,7 @@ def run_scheduler_process(launch: RankLaunch) -> None:
     """The rank process's whole life: set up, start (or report why not), serve."""
     _setup_process(launch)
     rank = _start_rank(launch)  # exits 1 if the rank cannot start
-    from srt.cpu_allocator import loaded_allocator
+    from srt.model_executor.cpu_allocator import loaded_allocator
 
     logger.info("scheduler ready (pid %d, allocator %s)", os.getpid(), loaded_allocator() or "glibc")
     from srt.scheduler.watchdog import Watchdog
@@ -109,7 +109,7 @@ _RANK_MODULES = (
     "distributed.process_groups",
     "srt.grammar_pool.node_pool", "srt.scheduler.batch_log", "srt.transport.cluster_address",
     "srt.transport.request_receiver", "srt.transport.zmq_transport", "srt.scheduler.scheduler",
-    "srt.scheduler.watchdog", "srt.model_config",
+    "srt.scheduler.watchdog", "srt.model_executor.model_config",
 )
 
 
@@ -205,7 +205,7 @@ def _build_scheduler(launch: RankLaunch, joined: _JoinedWorld) -> _StartedRank:
     from srt.transport.cluster_address import this_node_address
     from srt.transport.request_receiver import OutputSender, RequestReceiver
     from srt.scheduler.scheduler import Scheduler
-    from srt.model_config import ModelConfig
+    from srt.model_executor.model_config import ModelConfig
     from srt.server_args import parse_model_overrides
     from srt.tokenizer_utils import get_tokenizer
 

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from srt.forward_batch import ForwardBatch
+from srt.model_executor.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

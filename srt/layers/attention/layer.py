@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
 class Attention(nn.Module):

@@ -4,13 +4,13 @@ Decode reads one slot table per step, ``[B, S]`` (built once in
 ``init_forward_metadata``, not per layer; padding points at each sequence's first slot so
 no never-written slot is read, and is masked). On CPU gramsync's own op reads each row's
 keys and values in place through it (cpu_decode_attention.cpp: 0.84-0.99x the served
-step of the path below, bf16 and fp32, docs/speed.md). The torch path, its reference and fallback,
+step of the path below, bf16 and fp32, docs/speed-history.md). The torch path, its reference and fallback,
 gathers each layer's keys and values into a head-major ``[KVH, B, S, D]`` block with one
 ``index_select`` and runs two batched matmuls (GQA as grouped query heads, no repeat of
 K/V); it beat Inductor's fused in-place loop (1.6 ms in place vs 0.47 ms at batch 32 x 100
 keys, compiled, bf16, per layer). The table's key count is rounded up to
 ``DECODE_KEY_BUCKET`` so the matmul shapes repeat from step to step, and small batches
-compute in fp32 (both measured in docs/speed.md).
+compute in fp32 (both measured in docs/speed-history.md).
 Extend (prefill) runs SDPA per sequence: prompt lengths differ, torch has no varlen SDPA
 on CPU, and a padded batch wastes the compute that dominates prefill; a sequence's loop
 iteration costs microseconds next to its matmuls.
@@ -20,19 +20,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention.base import AttentionBackend
 from srt.layers.cpu_decode_attention_op import use_decode_attention_op
 
 
 # Decode's key count S is rounded up to a multiple of this (the extra keys are masked):
 # oneDNN JIT-compiles a bf16 matmul for every new shape (~0.6 ms; ~30 us once cached), and
-# an S that grows by one each step made every step's first layer pay it (docs/speed.md).
+# an S that grows by one each step made every step's first layer pay it (docs/speed-history.md).
 DECODE_KEY_BUCKET = 64
 # In a compiled step, up to this many rows (the small-batch graphs, compiled_decode.py)
 # decode attention's two matmuls run in fp32 (MKL) rather than bf16 (oneDNN, ~55-70 us a
 # call at these tiny shapes): the bf16 step 0.84-0.89x at 2-8 rows, 1.02x at 16
-# (docs/speed.md). Eager, fp32 loses from 8 rows (its casts are separate ops), so there
+# (docs/speed-history.md). Eager, fp32 loses from 8 rows (its casts are separate ops), so there
 # only one row computes in fp32.
 FP32_ATTENTION_MAX_ROWS = 16
 
@@ -54,7 +54,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     # -- decode ---------------------------------------------------------------------
     def forward_decode(self, q: torch.Tensor, layer, fb: ForwardBatch) -> torch.Tensor:
-        # A MIXED step's decode rows may bring a compiled kernel (compiled_prefill.py).
+        # A MIXED step's decode rows may bring a compiled kernel (compiled/prefill.py).
         kernel = fb.decode_attention or decode_attention
         return kernel(q, fb.token_to_kv_pool.k_buffer[layer.layer_id],
                       fb.token_to_kv_pool.v_buffer[layer.layer_id], fb.decode_kv_slots,
@@ -107,7 +107,7 @@ def decode_attention_torch(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Te
     KVH = num_kv_heads
     # fp32 matmuls (MKL, ~12 us a call) beat bf16's oneDNN calls at these tiny shapes. The
     # comparison is decided while tracing: each compiled graph's batch range lies wholly
-    # on one side of it (docs/speed.md).
+    # on one side of it (docs/speed-history.md).
     fp32_rows = FP32_ATTENTION_MAX_ROWS if torch.compiler.is_compiling() else 1
     dtype = torch.float32 if B <= fp32_rows else q.dtype
     qg = q.view(B, KVH, H // KVH, D).transpose(0, 1).to(dtype)  # [KVH, B, G, D]

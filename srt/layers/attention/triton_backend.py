@@ -1,12 +1,12 @@
 """CUDA attention through our Triton kernels (``triton_ops``): decode and extend both read
 the paged KV pool in place through ``req_to_token``; extend is varlen (no padding, no
 per-sequence Python loop). Unverified on GPU hardware until a GPU run says otherwise
-(docs/speed.md); the kernels are checked against a torch reference under TRITON_INTERPRET=1."""
+(docs/speed-history.md); the kernels are checked against a torch reference under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import torch
 
-from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention.base import AttentionBackend
 
 

@@ -11,13 +11,13 @@ tensors only -- the batch's tokens, positions, KV slots, slot table and mask, an
 pool's per-layer buffers, which it writes in place -- and compiled ahead of time by
 AOTInductor with the same options (``freezing``: the weights folded in and prepacked;
 max-autotune up to 16 rows) into a ``.pt2`` package in the rank's keyed compile folder
-(``compile_cache.py``). Loading a package is a shared library and its constants: about a
+(``compiled/cache.py``). Loading a package is a shared library and its constants: about a
 second, no tracing. The call is the generated C++ directly: no guards.
 
 The pool's token count is a dynamic dimension, so a package serves any KV-pool size; the
 batch and key-count dimensions are dynamic where the graph serves a range of batches.
 TP > 1 (collectives inside the graph), torchao's tensor subclasses and CUDA keep
-``torch.compile`` (compiled_decode.py).
+``torch.compile`` (compiled/decode.py).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.cpu_decode_attention_op import decode_attention_op_wanted
 from srt.layers.cpu_gemv import gemv_wanted
 from srt.layers.cpu_kernels import load_cpu_kernels

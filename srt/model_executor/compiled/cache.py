@@ -45,13 +45,16 @@ logger = logging.getLogger(__name__)
 COMPLETE_MARKER = "complete"  # in a folder: every graph of its key was built there
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _EDGE = 1 << 20  # bytes hashed at each end of a weight file: cheap, and catches a re-export
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The repository root (this file is srt/model_executor/compiled/cache.py).
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # Our code that the compiled graphs are traced from. Inductor keys each graph by its own
 # content, so a change here is never served stale; but without it in our key a folder
 # stays "complete" while every graph misses, and the rank would compile in process,
 # beside serving, instead of in the builder.
-GRAPH_SOURCES = ("srt/models", "srt/layers", "srt/forward_batch.py", "srt/compiled_decode.py", "srt/aoti_decode.py",
-                 "srt/compiled_prefill.py", "distributed/communication.py")
+GRAPH_SOURCES = ("srt/models", "srt/layers", "srt/model_executor/forward_batch.py",
+                 "srt/model_executor/compiled/decode.py", "srt/model_executor/compiled/aoti_decode.py",
+                 "srt/model_executor/compiled/prefill.py", "distributed/communication.py",
+                 "distributed/eager_collectives.py")
 
 
 def _file_fingerprint(path: str) -> dict:

@@ -8,14 +8,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-logger = logging.getLogger(__name__)
+from srt.models.registry import SUPPORTED_ARCHITECTURES
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MistralForCausalLM",
-)
+logger = logging.getLogger(__name__)
 
 
 def _as_ids(value: Any) -> list[int]:
@@ -29,7 +24,7 @@ def _as_ids(value: Any) -> list[int]:
 def _check_dir(path: str) -> None:
     if path.endswith(".gguf"):
         raise FileNotFoundError(
-            f"{path} is a GGUF file; convert it with srt.model_loader.resolve_model_path() first")
+            f"{path} is a GGUF file; convert it with srt.model_executor.model_loader.resolve_model_path() first")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"Model directory {path!r} does not exist")
     if not os.path.isfile(os.path.join(path, "config.json")):

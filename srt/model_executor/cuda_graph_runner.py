@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -19,19 +19,19 @@ without recompiling. We chose this over padding to one graph per bucket because 
 bucket is another full compile (over a minute each on 2 cores) and padding computes rows
 nobody asked for. Larger batches run eagerly; prefill has its own compiled path.
 Inductor's work is kept on disk per checkpoint, flags, torch and CPU
-(``compile_cache.py``), so a restart loads it instead of compiling again (docs/speed.md
+(``compiled/cache.py``), so a restart loads it instead of compiling again (docs/speed.md
 "Restarts"). On CPU at TP=1 the same graphs (same options, same batch ranges) are built as
 AOTInductor packages instead (``aoti_decode.py``): a restart loads them without tracing,
 and a step runs the generated code with no Dynamo guards in front of it.
 
 When: a first compile takes four to seven minutes on 2 cores (three graphs and the
-prefill's), so it runs aside at start-up (``compile_builder.py``, then a background thread
+prefill's), so it runs aside at start-up (``compiled/builder.py``, then a background thread
 that loads the build) while the server already answers with the eager step, and the scheduler switches to the compiled step once every graph exists (fp32
 outputs are identical, tested). At TP > 1 the warm-up's collectives stay local
 (``without_peers``: the peers are serving), and every rank switches in the same agreed
-iteration (``compiled_switch.py``). Any failure (no C++ compiler, an unsupported op) logs
+iteration (``compiled/switch.py``). Any failure (no C++ compiler, an unsupported op) logs
 a warning and the step stays eager (at TP > 1 on every rank, by the same agreement).
-Prefill has its own compiled path (``compiled_prefill.py``), warmed up first on the same
+Prefill has its own compiled path (``compiled/prefill.py``), warmed up first on the same
 thread.
 """
 from __future__ import annotations
@@ -44,9 +44,9 @@ from typing import Callable
 
 import torch
 
-from srt.aoti_decode import DecodePackages
-from srt.compile_cache import cpu_flags
-from srt.forward_batch import ForwardBatch
+from srt.model_executor.compiled.aoti_decode import DecodePackages
+from srt.model_executor.compiled.cache import cpu_flags
+from srt.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +60,13 @@ _AUTOTUNE = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends
 # Up to this many rows a decode step is a weight read, where Inductor's C++ GEMM template
 # (picked per weight shape by max-autotune against ATen) streams the weights ~1.6-2x faster
 # than oneDNN's packed GEMM (fp32 AVX2, SmolLM2 shapes: 32 vs 57 ms at 2 rows, 39 vs 78 at
-# 8, 65 vs 99 at 16; docs/speed.md). Above it the batch is compute and oneDNN is the faster.
+# 8, 65 vs 99 at 16; docs/speed-history.md). Above it the batch is compute and oneDNN is the faster.
 SMALL_BATCH_MAX = 16
 # The small graph is traced (and autotuned) at 8 rows, not 16: max-autotune times each
 # GEMM alone, with its weight warm in L3, and at 16 rows it then picked oneDNN for the MLP's
 # gate_up, which in the real step (weights streaming from memory) took 1.1 ms per call
 # where the template takes ~0.6; at 8 it picks the template for every shape, which serves
-# 16 rows as fast as a graph traced at 16 (fp32 AVX2, docs/speed.md).
+# 16 rows as fast as a graph traced at 16 (fp32 AVX2, docs/speed-history.md).
 SMALL_BATCH_TRACE = 8
 
 
@@ -76,7 +76,7 @@ def small_batch_options(dtype: torch.dtype, flags: list[str], dense: bool = True
     kernel), and max-autotune, timing each GEMM with its weight warm in cache, still picks
     it for batch 1, where in the real step (weights streaming from memory) oneDNN's packed
     bf16 GEMM is faster: batch-1 step 13.4 against 10.0 ms, 2-16 rows equal (AMD EPYC,
-    AVX512-BF16, docs/speed.md). With AMX, and in fp32, the template stays a candidate,
+    AVX512-BF16, docs/speed-history.md). With AMX, and in fp32, the template stays a candidate,
     and so it does for a CPU int4 model (``dense=False``: no dense bf16 GEMM left, and the
     template's weight-only int8 kernel beats ATen's for its LM head: batch-1 step 3.4-3.8
     against 4.1-4.6 ms, AMD EPYC)."""

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from distributed.pipeline import PipelineGroup, recv_activation, send_activation
-from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention.layer import prepare_attention
-from srt.models.decoder import CausalLM, StageLayers, logit_row_index
+from srt.models.causal_lm import CausalLM, logit_row_index
+from srt.models.decoder_stack import StageLayers
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int, partition: Optional[str]) -> StageLayers:

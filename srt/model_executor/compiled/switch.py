@@ -14,9 +14,9 @@ from typing import Optional
 
 from distributed.compile_agreement import COMPILED, PENDING, UNUSED, agree_on_compiled_steps
 from distributed.parallel_state import TPGroup
-from srt.compiled_decode import CompiledDecode
-from srt.compiled_prefill import CompiledPrefill
-from srt.forward_batch import ForwardBatch
+from srt.model_executor.compiled.decode import CompiledDecode
+from srt.model_executor.compiled.prefill import CompiledPrefill
+from srt.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

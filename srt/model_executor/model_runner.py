@@ -16,23 +16,23 @@ from sampling.sampler import Sampler
 from sampling.sampling_params import MAX_TOP_LOGPROBS
 from sampling.sampling_batch_info import SamplingBatchInfo
 from srt import environ
-from srt.aoti_decode import DecodePackages
-from srt.compile_builder import BuildOrder, CompileBuilder
-from srt.compile_cache import cache_complete, cpu_flags, inductor_cache_counts, mark_complete, use_compile_cache
-from srt.compiled_decode import CompiledDecode
-from srt.compiled_prefill import CompiledPrefill
-from srt.compiled_switch import CompiledSwitch
-from srt.cuda_graph_runner import CudaGraphRunner, real_length_inputs
-from srt.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.compiled.aoti_decode import DecodePackages
+from srt.model_executor.compiled.builder import BuildOrder, CompileBuilder
+from srt.model_executor.compiled.cache import cache_complete, cpu_flags, inductor_cache_counts, mark_complete, use_compile_cache
+from srt.model_executor.compiled.decode import CompiledDecode
+from srt.model_executor.compiled.prefill import CompiledPrefill
+from srt.model_executor.compiled.switch import CompiledSwitch
+from srt.model_executor.cuda_graph_runner import CudaGraphRunner, real_length_inputs
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention import create_attention_backend
 from srt.layers.attention.layer import prepare_attention
-from srt.layers.cpu_packed_linear import pack_linear_weights
+from srt.layers.weight_packing import pack_linear_weights
 from srt.layers.quantization import apply_torchao_config
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.mem_cache.prompt_logprob_pool import PromptLogprobPool
-from srt.model_config import ModelConfig
-from srt.model_loader import load_model
-from srt.pipeline_forward import PipelineForward, stage_layers
+from srt.model_executor.model_config import ModelConfig
+from srt.model_executor.model_loader import load_model
+from srt.model_executor.pipeline_forward import PipelineForward, stage_layers
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,12 @@ class ModelRunner:
             torch.cuda.set_device(rank_info.local_rank)
             self.device = f"cuda:{rank_info.local_rank}"
         self.dtype = resolve_dtype(server_args, self.device)
-        self.model = load_model(model_config, tp, self.dtype, self.device, self.stage)
+        self.model = load_model(model_config, tp, self.dtype, self.device, self.stage,
+                                server_args.ep_size)
+        if server_args.torchao_config and self.model.has_experts:
+            raise ValueError(f"--torchao-config {server_args.torchao_config}: quantized experts are not "
+                             f"built yet, and {model_config.architecture}'s weights are mostly experts; "
+                             "serve it unquantized (docs/models.md)")
         if server_args.torchao_config:
             apply_torchao_config(self.model, server_args.torchao_config, self.device, rank_info.log_prefix)
         # oneDNN-packed weights for the eager step; with int4 only a layer that neither the
@@ -101,10 +106,10 @@ class ModelRunner:
     def _start_compiling(self, builder_folder: Optional[str]) -> None:
         """Compile the decode step (and, on CPU, the prefill) from the rank's compile cache:
         at once where a complete build is there, else after a builder process made it
-        (``compile_builder.py``), else (cache off, ``--wait-for-torch-compile``) here. Serve
+        (``compiled/builder.py``), else (cache off, ``--wait-for-torch-compile``) here. Serve
         eagerly meanwhile unless ``--wait-for-torch-compile``; at TP > 1 the ranks switch
         in one agreed step (CompiledSwitch), and the warm-ups' collectives stay local.
-        ``builder_folder``: this is the builder process (compile_builder.py), building there."""
+        ``builder_folder``: this is the builder process (compiled/builder.py), building there."""
         args, prefix = self.server_args, self.rank_info.log_prefix
         max_bs = min(args.torch_compile_max_bs, self.max_running_requests)
         folder = builder_folder
@@ -276,7 +281,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Logits of the rows the batch samples from; at --pp-size > 1 only the last stage
-        has them, and the others get an empty ``[rows, 0]`` (srt/pipeline_forward.py)."""
+        has them, and the others get an empty ``[rows, 0]`` (srt/model_executor/pipeline_forward.py)."""
         if self.pipeline_forward is not None:
             return self.pipeline_forward(fb)
         self._prepare(fb)

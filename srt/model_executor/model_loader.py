@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 from distributed.parallel_state import TPGroup
 from srt import environ
-from srt.model_config import ModelConfig
+from srt.model_executor.model_config import ModelConfig
 
 if TYPE_CHECKING:  # torch is imported where used: the frontend resolves paths without it
     import torch
@@ -152,19 +152,21 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(model_config: ModelConfig, tp: TPGroup = TPGroup(),
-               dtype: Optional[torch.dtype] = None, device: str | torch.device = "cpu", stage=None):
+               dtype: Optional[torch.dtype] = None, device: str | torch.device = "cpu", stage=None,
+               ep_size: int = 1):
     """Build the decoder on ``device`` and load this rank's shard of every weight
     (``dtype``: float32 unless given; ``stage``: a pipeline stage's ``StageLayers``,
-    default every layer)."""
+    default every layer; ``ep_size``: whole experts over the TP group's ranks, MoE only)."""
     import torch
 
-    from srt.models.decoder import CausalLM
+    from srt.models.registry import model_class
 
     dtype = torch.float32 if dtype is None else dtype
 
     t0 = time.monotonic()
     with torch.device(device):
-        model = CausalLM(model_config, tp, dtype=dtype, stage=stage)
+        model = model_class(model_config.architecture)(model_config, tp, dtype=dtype, stage=stage,
+                                                        ep_size=ep_size)
     model.load_weights(iter_safetensors(model_config.model_path))
     model.eval()
     logger.info("Loaded %s (TP %d/%d) in %.1f s", model_config.model_path, tp.rank, tp.size,

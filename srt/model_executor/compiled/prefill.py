@@ -7,9 +7,9 @@ SiLU and adds, one pass over memory each. Compiled, they fuse into a few loops: 
 tokens/s scoring prompts (docs/speed.md, "Evaluate the served model").
 
 What is compiled: each decoder layer's two halves around attention
-(``DecoderLayer.pre_attention``: residual add, norm, q/k/v projection, rotary;
+(``pre_attention``: residual add, norm, q/k/v projection, rotary;
 ``post_attention``: o_proj, residual add, norm, MLP) and the final norm + LM head
-(``CausalLM.logits``). Attention stays eager between them, except a MIXED step's decode
+(the LM's ``logits``). Attention stays eager between them, except a MIXED step's decode
 rows' (``decode_attention``, one graph for every layer): it loops over the batch's
 sequences (SDPA per sequence), whose number and lengths change every step. Each half is
 one graph shared by all layers (the layer's weights are graph inputs, not constants), with
@@ -18,7 +18,7 @@ the token count dynamic, so a few graphs serve every prefill batch.
 When and where: on CPU, wherever the decode step compiles (``--disable-torch-compile``
 turns both off). It compiles on the decode step's warm-up thread, before the decode graphs
 (~10 s), and serves once that whole warm-up is over (``--wait-for-torch-compile`` waits
-for it; at TP > 1 from the step every rank agreed on, ``compiled_switch.py``); until then
+for it; at TP > 1 from the step every rank agreed on, ``compiled/switch.py``); until then
 prefill runs eagerly. Any compiler failure logs a warning and prefill stays eager.
 """
 from __future__ import annotations
@@ -30,34 +30,35 @@ from typing import Callable, Optional
 
 import torch
 
-from srt.compiled_decode import guarded_warm_up
-from srt.forward_batch import ForwardMode
+from srt.model_executor.compiled.decode import guarded_warm_up
+from srt.model_executor.forward_batch import ForwardMode
 from srt.layers.attention.torch_native import decode_attention
-from srt.models.decoder import CausalLM, DecoderLayer
 
 logger = logging.getLogger(__name__)
 
 
 class LayerHalves:
-    """Compiled ``pre_attention`` / ``post_attention`` / ``logits`` (see DecoderModel.forward)."""
+    """Compiled ``pre_attention`` / ``post_attention`` / ``logits`` of ``model``'s layer and
+    LM classes (models/decoder_stack.py ``LayerHalves``)."""
 
-    def __init__(self):
-        self.pre = torch.compile(DecoderLayer.pre_attention, dynamic=True)
-        self.post = torch.compile(DecoderLayer.post_attention, dynamic=True)
-        self.head = torch.compile(CausalLM.logits, dynamic=True)
+    def __init__(self, model: torch.nn.Module):
+        layer = type(model.model.layers[model.stage.start])
+        self.pre = torch.compile(layer.pre_attention, dynamic=True)
+        self.post = torch.compile(layer.post_attention, dynamic=True)
+        self.head = torch.compile(type(model).logits, dynamic=True)
         # A MIXED step's decode rows (--enable-mixed-chunk): batched attention over the pool,
         # eager ~3x slower (bf16, 25 rows x 250 keys: 3.3 vs 1.2 ms per layer).
         self.decode_attention = torch.compile(decode_attention, dynamic=True)
 
 
 class CompiledPrefill:
-    def __init__(self, model: CausalLM, log_prefix: str):
+    def __init__(self, model: torch.nn.Module, log_prefix: str):
         self.log_prefix = log_prefix
         self.failed = False
         self.steps = 0  # prefill steps run through the compiled graphs (warm-up included)
         self._ready = threading.Event()
         self._model = model
-        self._halves = LayerHalves()
+        self._halves = LayerHalves(model)
 
     @property
     def ready(self) -> bool:

@@ -3,14 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-
-if TYPE_CHECKING:
-    from srt.layers.attention.base import AttentionBackend
 
 
 class ForwardMode(Enum):
@@ -38,7 +35,9 @@ class ForwardBatch:
     # EXTEND: the rows of input_ids whose logits to return (prompt logprobs need more than
     # the last per sequence); None: the last per sequence.
     logit_rows: Optional[list[int]] = None
-    attn_backend: Optional["AttentionBackend"] = None  # set by the model runner
+    # set by the model runner: a layers/attention/base.py AttentionBackend (not imported:
+    # the backends depend on this module, not it on them)
+    attn_backend: Optional[Any] = None
     # Built once per step by the attention backend (DECODE): each row's KV slots, padded.
     decode_kv_slots: Optional[torch.Tensor] = None  # [B, S] int64
     decode_kv_valid: Optional[torch.Tensor] = None  # [B, S] bool

@@ -1,0 +1,71 @@
+"""Walks over a loaded model that give its linear layers and LM head their CPU weights:
+oneDNN-packed (cpu_packed_linear.py), int4 (cpu_int4_linear.py), int8 (cpu_int8_linear.py).
+
+Apart from those kernels' modules because it knows the layer classes, which import the
+kernels: the kernels do not import the layers back.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from srt.layers.cpu_int4_linear import quantize_int4
+from srt.layers.cpu_int8_linear import quantize_int8
+from srt.layers.cpu_packed_linear import pack_weight, packing_supported
+from srt.layers.linear import _TPLinear
+from srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+logger = logging.getLogger(__name__)
+
+
+def pack_linear_weights(model: nn.Module, dtype: torch.dtype, log_prefix: str) -> int:
+    """Give every linear layer and the LM head its weight packed. A linear layer's dense
+    weight becomes a meta tensor (shape and dtype kept, no memory): only a compiled step or
+    torchao would read it, and neither runs on a packed model. The LM head keeps its dense
+    weight (a tied embedding reads it). Returns the number of layers packed."""
+    if not packing_supported(dtype):
+        return 0
+    count = 0
+    for module in model.modules():
+        if (isinstance(module, (_TPLinear, ParallelLMHead)) and module.weight.dtype == dtype
+                and getattr(module, "packed_weight", None) is None):  # int4 layers keep theirs
+            module.packed_weight = pack_weight(module.weight)
+            if isinstance(module, _TPLinear):
+                module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
+            count += 1
+    logger.info("%s oneDNN-packed weights for %d eager linear layers", log_prefix, count)
+    return count
+
+
+def quantize_model_int4(model: nn.Module, group: int, log_prefix: str, head: bool = True) -> int:
+    """Every linear layer and the LM head get an ``Int4Weight`` in ``packed_weight``; a
+    linear layer's dense weight becomes a meta tensor (shape and dtype kept, no memory).
+    ValueError where a layer's input size is not a multiple of ``group``."""
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, _TPLinear) and not (head and isinstance(module, ParallelLMHead)):
+            continue
+        if module.weight.shape[1] % group:
+            raise ValueError(f"--torchao-config int4wo-{group}: {name} has {module.weight.shape[1]} inputs, "
+                             f"not a multiple of the group size {group}")
+        module.packed_weight = quantize_int4(module.weight, group)
+        if isinstance(module, _TPLinear):
+            module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
+        count += 1
+    logger.info("%s int4 weights (group %d, torch's CPU int4 kernel) for %d linear layers",
+                log_prefix, group, count)
+    return count
+
+
+def quantize_head_int8(model: nn.Module, log_prefix: str) -> int:
+    """The LM head gets an ``Int8Weight`` in ``packed_weight``; its dense weight stays (a
+    tied embedding reads it). Returns the number of heads quantized (0 or 1 per rank)."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            module.packed_weight = quantize_int8(module.weight)
+            count += 1
+    logger.info("%s int8 LM head (torch's CPU int8 kernel, one scale per row)", log_prefix)
+    return count

@@ -1,0 +1,1 @@
+"""Model execution: the runner, forward batches, loading, and the compiled steps (compiled/)."""

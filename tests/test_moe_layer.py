@@ -276,3 +276,18 @@ def test_custom_op_compiles_fullgraph():
     for t in (5, 5):
         x = _x(t, seed=t)
         torch.testing.assert_close(compiled(x), step(x), atol=1e-5, rtol=0)
+
+
+def test_routing_digest_tells_routings_apart_and_skips_what_it_did_not_see():
+    from srt.layers.moe.routing_digest import RoutingDigest, attach_routing_digest
+
+    a, b = RoutingDigest(), RoutingDigest()
+    assert a.pop() is None  # no step routed: the batch log writes no ROUTING line
+    ids = torch.tensor([[0, 3], [2, 1]])
+    a.add(ids)
+    b.add(ids)
+    assert a.pop() == b.pop() and a.pop() is None
+    a.add(ids)
+    b.add(torch.tensor([[0, 3], [1, 2]]))  # the same experts, another order for one token
+    assert a.pop() != b.pop()
+    assert attach_routing_digest(torch.nn.Linear(2, 2)) is None  # a dense model has none

@@ -1,12 +1,13 @@
 """Every serving feature on a mixture-of-experts model: the tiny model's Qwen3-MoE twin
 (tests/tiny_model.py ``MOE_CONFIG``: random weights, SmolLM2's tokenizer; 3 MoE layers
-and one dense) in real engines, fp32, eager.
+and one dense) in real engines, fp32, eager unless a test compiles.
 
 One reference engine (radix cache on) gives the greedy answers; each feature's engine must
 give the very same tokens: chunked prefill with mixed chunks, n-gram speculation, TP=2
 with the experts split, TP=2 with whole experts per rank (EP=2, their batch logs identical
-down to the ROUTING digests), PP=2. On the reference engine: the radix cache's hits, JSON
-schemas under xgrammar and llguidance, ``n`` = 2 seeded samples, logprobs and prompt
+down to the ROUTING digests), PP=2, the compiled steps (prefill and the decode package).
+On the reference engine: the radix cache's hits, JSON schemas under every grammar backend
+(auto, xgrammar, llguidance), ``n`` = 2 seeded samples, logprobs and prompt
 logprobs served again from the cache. Quantized weights are refused with a clear message.
 """
 from __future__ import annotations
@@ -54,16 +55,15 @@ def test_a_batch_gives_what_each_prompt_gives_alone_and_the_cache_hits(ref):
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in outs)  # each prompt ran alone before
 
 
-@pytest.mark.parametrize("backend_schema", ["xgrammar", "llguidance"])
-def test_json_schema_on_both_grammar_libraries(ref, tiny_moe_dir, backend_schema):
+@pytest.mark.parametrize("backend", ["auto", "xgrammar", "llguidance"])
+def test_json_schema_on_every_grammar_backend(ref, tiny_moe_dir, backend):
     from srt.entrypoints.engine import Engine
 
-    engine = ref[0]
     params = {"temperature": 0, "max_new_tokens": 80, "json_schema": json.dumps(SCHEMA)}
-    if backend_schema == "xgrammar":
-        out = engine.generate("A person as JSON:", params)
+    if backend == "auto":  # the reference engine's (the default)
+        out = ref[0].generate("A person as JSON:", params)
     else:
-        with Engine(model_path=tiny_moe_dir, grammar_backend="llguidance", **BASE) as other:
+        with Engine(model_path=tiny_moe_dir, grammar_backend=backend, **BASE) as other:
             out = other.generate("A person as JSON:", params)
     assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
     jsonschema.validate(json.loads(out["text"]), SCHEMA)
@@ -93,10 +93,13 @@ FEATURES = {
     "tp2": dict(tp_size=2),
     "tp2-ep2": dict(tp_size=2, ep_size=2),
     "pp2": dict(pp_size=2),
+    # The compiled prefill and the decode step's AOTInductor package (batch 1: one graph).
+    "compiled": dict(disable_torch_compile=False, enable_torch_compile=True, wait_for_torch_compile=True,
+                     max_running_requests=1),
 }
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_each_feature_gives_the_reference_tokens(ref, tiny_moe_dir, feature, tmp_path, monkeypatch):
     from srt.entrypoints.engine import Engine
@@ -109,8 +112,12 @@ def test_each_feature_gives_the_reference_tokens(ref, tiny_moe_dir, feature, tmp
         assert _greedy(engine, prompts) == alone
     if feature.startswith("tp2"):
         assert _identical_batch_logs(logs)  # the same batches and expert choices on both ranks
-        log = (logs / "batches_DP0_TP0.log").read_text().splitlines()
-        assert sum(" ROUTING " in line for line in log) >= len(prompts)
+    log = (logs / ("batches_DP0_PP0_TP0.log" if feature == "pp2" else "batches_DP0_TP0.log")).read_text()
+    steps = sum(line.split(" ")[1] in ("EXTEND", "DECODE", "MIXED") for line in log.splitlines())
+    routed = sum(" ROUTING " in line for line in log.splitlines())
+    # An eager step records its expert choices; a compiled one cannot see them (and every
+    # step of the compiled engine ran compiled: --wait-for-torch-compile).
+    assert steps > 0 and routed == (0 if feature == "compiled" else steps), (routed, steps)
 
 
 def test_quantized_weights_are_refused(tiny_moe_dir):

@@ -58,6 +58,8 @@ def test_key_follows_checkpoint_bytes_flags_dtype_and_rank(tmp_path, monkeypatch
                   key(a=ServerArgs(model_path=str(d), json_model_override_args='{"num_hidden_layers": 2}')),
                   key(a=ServerArgs(model_path=str(d), torchao_config="int8wo"))):
         assert other != changed
+    # Whole experts per rank (--ep-size) are other weights than split ones at the same TP.
+    assert key(a=ServerArgs(model_path=str(d), tp_size=2, ep_size=2), tp=(2, 0)) != key(tp=(2, 0))
     assert changed["torch"] == torch.__version__ and changed["cpu_flags"]
     assert changed["code"] == code_digest()
     monkeypatch.setenv("GRAMSYNC_AOTI_DECODE", "0")  # the decode graphs from torch.compile

@@ -117,6 +117,7 @@ def compile_cache_key(args: ServerArgs, model_dir: str, dtype: torch.dtype, tp_s
         "dtype": str(dtype),
         "torchao_config": args.torchao_config,
         "tp": [tp_size, tp_rank],
+        "ep_size": args.ep_size,  # which experts, and how much of each, this rank holds
         "max_compiled_bs": max_compiled_bs,
         "mixed_chunk": args.enable_mixed_chunk,
         "aoti_decode": environ.GRAMSYNC_AOTI_DECODE.get(),

@@ -16,6 +16,8 @@ from srt.layers.weight_packing import pack_linear_weights
 from srt.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                QKVParallelLinear, RowParallelLinear)
 from srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from srt.layers.linear_attention.state_batch import build_state_batch
+from srt.mem_cache.linear_state_pool import state_pool_for
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.model_executor.model_config import ModelConfig
 from srt.model_executor.model_loader import load_model, resolve_model_path
@@ -37,6 +39,8 @@ class _Runner:
         self.kv_pool.k_buffer[0][:, 0] = float("nan")  # poison the dummy slot: must never be read
         self.rows = [self.req_pool.alloc() for _ in range(n_seqs)]
         self.lens = [0] * n_seqs
+        # Hybrid models: their Gated DeltaNet layers' per-request states, slot = row.
+        self.state_pool = state_pool_for(model, n_seqs + 2, "cpu")
 
     def step(self, mode: ForwardMode, new_tokens: list[list[int]], seq_ids: list[int]) -> torch.Tensor:
         ids, pos, locs = [], [], []
@@ -58,11 +62,13 @@ class _Runner:
             extend_seq_lens_cpu=[len(t) for t in new_tokens], extend_prefix_lens_cpu=prefix,
             req_to_token_pool=self.req_pool, token_to_kv_pool=self.kv_pool,
             return_all_logits=True)
+        if self.state_pool is not None:
+            fb.linear_state = build_state_batch(fb, self.state_pool)
         return self.model(fb)
 
 
 def _check_parity(model_dir: str, prompts: list[list[int]], dtype=torch.float32,
-                  rtol: float = RTOL, packed: bool = False) -> None:
+                  rtol: float = RTOL, packed: bool = False, max_ctx: int = 128) -> None:
     """Our logits (in ``dtype``) against transformers' fp32 logits on the same sequences;
     ``packed``: through the oneDNN-packed linear layers (the eager CPU path of a server)."""
     from transformers import AutoModelForCausalLM
@@ -73,7 +79,7 @@ def _check_parity(model_dir: str, prompts: list[list[int]], dtype=torch.float32,
         assert pack_linear_weights(ours, dtype, "[test]") == 4 * cfg.num_hidden_layers + 1
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     n = len(prompts)
-    run = _Runner(ours, cfg, n, dtype=dtype)
+    run = _Runner(ours, cfg, n, max_ctx=max_ctx, dtype=dtype)
     got: list[list[torch.Tensor]] = [[] for _ in range(n)]
 
     # Prefill in two passes: a fresh one (no prefix) for all but the last 3 prompt tokens,

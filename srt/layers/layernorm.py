@@ -29,3 +29,20 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm scaled by ``1 + weight`` (weight stored zero-centred), Qwen3.5 / Qwen3-Next.
+
+    Unlike Llama's, transformers' Qwen3_5RMSNorm multiplies in fp32 and casts once at the
+    end; the same order here keeps fp32 bit-identical and bf16 rounding at the same point.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: Optional[torch.dtype] = None):
+        super().__init__(hidden_size, eps, params_dtype)
+        self.weight.data.zero_()
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)

@@ -17,9 +17,9 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
-def _default_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def _default_inv_freq(config, rotary_dim: int) -> tuple[torch.Tensor, float]:
     base = config.rope_parameters["rope_theta"]
-    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)), 1.0
 
 
 def _rope_params(config) -> dict:
@@ -39,19 +39,31 @@ def _angles(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float):
 
 
 class RotaryEmbedding(nn.Module):
-    """Caches ``cos``/``sin`` of shape ``[max_positions, rotary_dim / 2]``."""
+    """Caches ``cos``/``sin`` of shape ``[max_positions, rotary_dim / 2]``.
+
+    ``partial_rotary_factor`` < 1 (Qwen3.5, Qwen3-Next: 0.25) rotates only the first
+    ``rotary_dim = head_dim * factor`` dims of each head and passes the rest through, as
+    transformers' ``apply_rotary_pos_emb`` does. Qwen3.5's multimodal RoPE sections
+    (``mrope_section``) collapse to this for text, whose three position ids are equal.
+    """
 
     def __init__(self, config, head_dim: int, max_positions: int):
         super().__init__()
         params = _rope_params(config)
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported by this decoder")
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+        self.rotary_dim = int(head_dim * factor)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
+            raise ValueError(f"partial_rotary_factor {factor} gives rotary_dim {self.rotary_dim} "
+                             f"for head_dim {head_dim}: must be even and in (0, head_dim]")
+        if factor != 1.0 and rope_type != "default":
+            raise ValueError(f"partial_rotary_factor {factor} with rope_type {rope_type!r} is not "
+                             "supported (only the default rope type)")
         self.rope_type = rope_type
         self.head_dim = head_dim
         positions = torch.arange(max_positions)
         if rope_type == "default":
-            inv_freq, scale = _default_inv_freq(config, head_dim)
+            inv_freq, scale = _default_inv_freq(config, self.rotary_dim)
             cos, sin = _angles(positions, inv_freq, scale)
         elif rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"Unsupported rope_type {rope_type!r}; supported: "
@@ -77,7 +89,11 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` by each token's position."""
         cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
         sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(q.dtype)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+        if self.rotary_dim == self.head_dim:
+            return _apply(q, cos, sin), _apply(k, cos, sin)
+        r = self.rotary_dim
+        return (torch.cat((_apply(q[..., :r], cos, sin), q[..., r:]), dim=-1),
+                torch.cat((_apply(k[..., :r], cos, sin), k[..., r:]), dim=-1))
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

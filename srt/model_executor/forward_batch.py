@@ -44,6 +44,9 @@ class ForwardBatch:
     # torch_native decode attention's kernel for this batch (None: the eager one); a MIXED
     # step's decode part gets the compiled prefill's (its decode graph is not in use).
     decode_attention: Optional[Callable] = None
+    # Hybrid models: the step's linear-attention state view (layers/linear_attention/state_batch.py),
+    # built by the model runner beside the attention metadata.
+    linear_state: Optional[Any] = None
     # MIXED: the two parts this batch concatenates (decode rows first).
     decode_part: Optional["ForwardBatch"] = None
     extend_part: Optional["ForwardBatch"] = None

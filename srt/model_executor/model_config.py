@@ -77,10 +77,13 @@ class ModelConfig:
 
         path = os.path.abspath(path)
         _check_dir(path)
-        hf = AutoConfig.from_pretrained(path)
+        top = AutoConfig.from_pretrained(path)
+        archs = list(getattr(top, "architectures", None) or [])
+        # A multimodal checkpoint (Qwen3.5's *ForConditionalGeneration) nests the decoder's
+        # config in ``text_config``: that is the one served.
+        hf = top.get_text_config() if hasattr(top, "get_text_config") else top
         checkpoint_layers = hf.num_hidden_layers
         _apply_overrides(hf, overrides or {})
-        archs = list(getattr(hf, "architectures", None) or [])
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -88,7 +91,7 @@ class ModelConfig:
                 f"in {path}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        eos = _as_ids(getattr(hf, "eos_token_id", None))
+        eos = _as_ids(getattr(hf, "eos_token_id", None) or getattr(top, "eos_token_id", None))
         gen_path = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_path):
             with open(gen_path) as f:
@@ -99,7 +102,8 @@ class ModelConfig:
             hf_config=hf,
             vocab_size=hf.vocab_size,
             hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
+            # Qwen3.5-MoE has no dense MLP: its only MLP width is the experts'.
+            intermediate_size=getattr(hf, "intermediate_size", None) or hf.moe_intermediate_size,
             num_hidden_layers=hf.num_hidden_layers,
             num_attention_heads=heads,
             num_key_value_heads=getattr(hf, "num_key_value_heads", None) or heads,
@@ -107,7 +111,7 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             context_len=_context_len(hf, context_length),
             eos_token_ids=tuple(dict.fromkeys(eos)),  # de-duplicated, order kept
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
             dtype=str(getattr(hf, "dtype", None) or "").removeprefix("torch.") or None,
             layers_truncated=hf.num_hidden_layers < checkpoint_layers,
         )

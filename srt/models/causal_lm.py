@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distributed.parallel_state import TPGroup
+from srt.layers.layernorm import RMSNorm
 from srt.layers.rotary_embedding import RotaryEmbedding
 from srt.layers.vocab_parallel_embedding import ParallelLMHead
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -56,6 +57,8 @@ def logits_in_float32(fb: ForwardBatch) -> bool:
 
 class CausalLM(nn.Module):
     has_experts = False  # a mixture-of-experts family (--ep-size applies)
+    is_hybrid = False  # Gated DeltaNet layers with per-request state (hybrid_decoder.py)
+    norm_class = RMSNorm  # the final norm's class
 
     def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup(), dtype: Optional[torch.dtype] = None,
                  stage: Optional[StageLayers] = None, ep_size: int = 1):
@@ -65,7 +68,7 @@ class CausalLM(nn.Module):
                              "(expert parallelism is for mixture-of-experts models)")
         self.config, self.tp, self.ep_size = config, tp, ep_size
         stage = stage or StageLayers.whole(config.num_hidden_layers)
-        self.model = DecoderModel(config, tp, dtype, stage, self.make_layer)
+        self.model = DecoderModel(config, tp, dtype, stage, self.make_layer, self.norm_class)
         self.stage = self.model.stage
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype) if self.stage.last else None
         if config.tie_word_embeddings and self.lm_head is not None:
@@ -94,9 +97,9 @@ class CausalLM(nn.Module):
         """Final norm and LM head over the rows of ``h`` that need logits."""
         return self.lm_head(self.model.norm(h), float32=float32)
 
-    def load_special_weight(self, name: str, tensor: torch.Tensor) -> Optional[str]:
+    def load_special_weight(self, name: str, tensor: torch.Tensor) -> Optional[str | tuple[str, ...]]:
         """Place a tensor the generic loader cannot (a family's experts) and return the
-        parameter it filled; None: not such a tensor."""
+        parameter(s) it filled; None: not such a tensor."""
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -114,7 +117,7 @@ class CausalLM(nn.Module):
                 continue  # another pipeline stage's weight
             special = self.load_special_weight(name, tensor)
             if special is not None:
-                loaded.add(special)
+                loaded.update((special,) if isinstance(special, str) else special)
                 continue
             shard_id = None
             for fused, hf_part, sid in STACKED_PARAMS:

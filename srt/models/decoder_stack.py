@@ -54,7 +54,8 @@ class DecoderModel(nn.Module):
     rotary, dtype)`` builds checkpoint layer ``index``; ``kv_index`` counts from the
     stage's first layer (its KV-pool index)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype, stage: StageLayers, make_layer: MakeLayer):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype, stage: StageLayers, make_layer: MakeLayer,
+                 norm_class: type = RMSNorm):
         super().__init__()
         self.stage = stage
         # The last stage keeps the embedding only for a tied LM head.
@@ -66,7 +67,7 @@ class DecoderModel(nn.Module):
             make_layer(cfg, tp, i, i - stage.start, self.rotary_emb, dtype)
             if stage.start <= i < stage.end else nn.Identity()
             for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.last else None
+        self.norm = norm_class(cfg.hidden_size, cfg.rms_norm_eps, dtype) if stage.last else None
 
     def forward(self, fb: ForwardBatch, halves: Optional[LayerHalves] = None) -> torch.Tensor:
         """``halves``: compiled replacements of each layer's ``pre_attention`` /

@@ -69,32 +69,40 @@ class GatedDeltaNet(nn.Module):
                 (self.num_v_heads, self.head_k_dim, self.head_v_dim))
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor | None = None,
-                recurrent_state: torch.Tensor | None = None):
+                recurrent_state: torch.Tensor | None = None, recurrent: bool | None = None):
         """x: [T, H], one sequence; states as in ``state_shapes`` or None (= zeros, a new sequence).
+        ``recurrent``: token by token (decode rows) rather than chunked; default: only for T == 1.
 
         Returns ``(y [T, H], new_conv_state, new_recurrent_state)``; the inputs are not modified.
         """
-        t = x.shape[0]
-        # The torch kernels take a batch dim; one sequence is a batch of one.
-        mixed, new_conv = causal_conv1d(
-            self.in_proj_qkv(x).unsqueeze(0), self.conv1d.weight.squeeze(1), None,
-            None if conv_state is None else conv_state.unsqueeze(0), activation=self.activation)
+        y, c, s = self.forward_batch(
+            x.unsqueeze(0), None if conv_state is None else conv_state.unsqueeze(0),
+            None if recurrent_state is None else recurrent_state.unsqueeze(0),
+            x.shape[0] == 1 if recurrent is None else recurrent)
+        return y.squeeze(0), c.squeeze(0), s.squeeze(0)
+
+    def forward_batch(self, x: torch.Tensor, conv_state: torch.Tensor | None,
+                      recurrent_state: torch.Tensor | None, recurrent: bool):
+        """B sequences of T new tokens each: x [B, T, H], states [B, ...] or None (zeros).
+        Returns ``(y [B, T, H], new_conv_state [B, ...], new_recurrent_state [B, ...])``."""
+        b, t = x.shape[0], x.shape[1]
+        x = x.reshape(b * t, -1)  # the projections take 2-D rows (packed CPU weights do)
+        mixed, new_conv = causal_conv1d(self.in_proj_qkv(x).reshape(b, t, -1), self.conv1d.weight.squeeze(1),
+                                        None, conv_state, activation=self.activation)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(1, t, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(1, t, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(1, t, self.num_v_heads, self.head_v_dim)
+        q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
 
-        beta = self.in_proj_b(x).sigmoid().unsqueeze(0)
+        beta = self.in_proj_b(x).sigmoid().reshape(b, t, -1)
         # In fp32: exp(A_log) can overflow fp16, and g feeds an exponential decay over the sequence.
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        g = g.unsqueeze(0)
+        g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)).reshape(b, t, -1)
 
-        s0 = None if recurrent_state is None else recurrent_state.unsqueeze(0)
-        if t == 1:
-            o, s = recurrent_gated_delta_rule(q, k, v, g, beta, s0, use_qk_l2norm=True)
+        if recurrent:
+            o, s = recurrent_gated_delta_rule(q, k, v, g, beta, recurrent_state, use_qk_l2norm=True)
         else:
-            o, s = chunk_gated_delta_rule(q, k, v, g, beta, s0, self.chunk_size, use_qk_l2norm=True)
-
-        z = self.in_proj_z(x).reshape(t, self.num_v_heads, self.head_v_dim)
-        o = self.norm(o.reshape(t, self.num_v_heads, self.head_v_dim), z)
-        return self.out_proj(o.reshape(t, self.value_dim)), new_conv.squeeze(0), s.squeeze(0)
+            o, s = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state, self.chunk_size,
+                                          use_qk_l2norm=True)
+        z = self.in_proj_z(x).reshape(b, t, self.num_v_heads, self.head_v_dim)
+        o = self.norm(o.reshape(b, t, self.num_v_heads, self.head_v_dim), z)
+        return self.out_proj(o.reshape(b * t, self.value_dim)).reshape(b, t, -1), new_conv, s

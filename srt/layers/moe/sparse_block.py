@@ -31,7 +31,7 @@ from distributed.parallel_state import TPGroup
 from srt.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from srt.layers.moe.fused_moe import FusedMoE
 
-_QWEN = ("qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text")
+_QWEN = ("qwen2_moe", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class MoeSpec:
 
 
 def moe_spec_from_config(hf_config) -> MoeSpec:
-    """The MoE block of a qwen2_moe / qwen3_moe / qwen3_5_moe / mixtral config."""
+    """The MoE block of a qwen2_moe / qwen3_moe / qwen3_5_moe / qwen3_next / mixtral config."""
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     kind = cfg.model_type
     if getattr(cfg, "hidden_act", "silu") != "silu":

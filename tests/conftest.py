@@ -74,6 +74,16 @@ def tiny_moe_dir(smollm2_dir) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_hybrid_dir(smollm2_dir) -> str:
+    """The tiny model's hybrid twin: a random Qwen3.5 (Gated DeltaNet + gated attention) with
+    SmolLM2's tokenizer (tests/tiny_model.py ``HYBRID_CONFIG``)."""
+    from srt import environ
+    from tiny_model import tiny_model_dir
+
+    return tiny_model_dir(smollm2_dir, environ.GRAMSYNC_CACHE_DIR.get(), "qwen3_5")
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 

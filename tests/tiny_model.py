@@ -28,6 +28,13 @@ CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_a
 # layer 2 dense through mlp_only_layers, so both kinds of layer are served).
 MOE_CONFIG = dict(CONFIG, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
                   num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[2])
+# The hybrid twin (tiny_hybrid_dir): Qwen3.5's dense hybrid, three Gated DeltaNet layers then
+# one gated full-attention layer (layer_types L L L F), partial RoPE as Qwen3.5's (0.25).
+HYBRID_CONFIG = dict({k: v for k, v in CONFIG.items() if k != "rope_theta"},
+                     rope_parameters={"rope_type": "default", "rope_theta": 100000.0,
+                                      "partial_rotary_factor": 0.25},
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                     linear_value_head_dim=32, linear_conv_kernel_dim=4)
 INIT_STD = 0.08
 SEED = 0
 # Not generation_config.json: save_pretrained writes the tiny model's own.
@@ -37,7 +44,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def _recipe_key(vocab_size: int, family: str) -> str:
     import transformers
 
-    config = CONFIG if family == "llama" else MOE_CONFIG
+    config = {"llama": CONFIG, "qwen3_moe": MOE_CONFIG, "qwen3_5": HYBRID_CONFIG}[family]
     recipe = {"config": config, "vocab": vocab_size, "std": INIT_STD, "seed": SEED,
               "transformers": transformers.__version__}
     if family != "llama":  # the Llama recipe's key stays what it was
@@ -48,7 +55,8 @@ def _recipe_key(vocab_size: int, family: str) -> str:
 
 def tiny_model_dir(smollm2_dir: str, cache_root: str, family: str = "llama") -> str:
     """The tiny model's directory (built once, then reused; safe against a concurrent build).
-    ``family``: ``llama``, or ``qwen3_moe`` for the mixture-of-experts twin."""
+    ``family``: ``llama``, ``qwen3_moe`` for the mixture-of-experts twin, ``qwen3_5`` for the
+    hybrid Gated DeltaNet twin."""
     with open(os.path.join(smollm2_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     target = os.path.join(cache_root, "tiny", _recipe_key(vocab, family))
@@ -73,14 +81,17 @@ def _build(smollm2_dir: str, vocab: int, out: str, family: str) -> None:
     elif family == "qwen3_moe":
         config = tf.Qwen3MoeConfig(vocab_size=vocab, initializer_range=INIT_STD, **MOE_CONFIG)
         cls = tf.Qwen3MoeForCausalLM
+    elif family == "qwen3_5":
+        config = tf.Qwen3_5TextConfig(vocab_size=vocab, initializer_range=INIT_STD, **HYBRID_CONFIG)
+        cls = tf.Qwen3_5ForCausalLM
     else:
         raise KeyError(family)
     config.architectures = [cls.__name__]
     torch.manual_seed(SEED)
     model = cls(config).eval()
-    with torch.no_grad():  # RMSNorm weights start at 1: keep them, draw everything else
+    with torch.no_grad():  # RMSNorm weights start at 1 (Qwen3.5's (1 + w) at 0): keep them
         for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
+            if not name.endswith(("norm.weight", "A_log", "dt_bias")):  # keep the GDN's decay init
                 p.normal_(0.0, INIT_STD)
     os.makedirs(out)
     model.save_pretrained(out, safe_serialization=True)

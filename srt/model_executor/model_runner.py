@@ -28,6 +28,8 @@ from srt.layers.attention import create_attention_backend
 from srt.layers.attention.layer import prepare_attention
 from srt.layers.weight_packing import pack_linear_weights
 from srt.layers.quantization import apply_torchao_config
+from srt.layers.linear_attention.state_batch import build_state_batch
+from srt.mem_cache.linear_state_pool import LinearStatePool, state_pool_for
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.mem_cache.prompt_logprob_pool import PromptLogprobPool
 from srt.model_executor.model_config import ModelConfig
@@ -75,6 +77,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(server_args, self.device)
         self.model = load_model(model_config, tp, self.dtype, self.device, self.stage,
                                 server_args.ep_size)
+        self.is_hybrid = self.model.is_hybrid  # GDN layers: a state pool, eager steps (hybrid_limits.py)
+        self.state_bytes_per_slot = self._state_bytes_per_slot()
         if server_args.torchao_config and self.model.has_experts:
             raise ValueError(f"--torchao-config {server_args.torchao_config}: quantized experts are not "
                              f"built yet, and {model_config.architecture}'s weights are mostly experts; "
@@ -153,7 +157,8 @@ class ModelRunner:
 
     def _want_compile(self) -> bool:
         args = self.server_args
-        if args.disable_torch_compile or self.pipeline is not None:  # stages run eagerly (for now)
+        # Stages and hybrid models run eagerly (for now).
+        if args.disable_torch_compile or self.pipeline is not None or self.is_hybrid:
             return False
         if args.enable_torch_compile:
             return True
@@ -167,6 +172,7 @@ class ModelRunner:
         args = self.server_args
         # torch_native builds host-side metadata per step, and a compiled step is not captured.
         return (self.device.startswith("cuda") and not args.disable_cuda_graph and self.pipeline is None
+                and not self.is_hybrid
                 and self.attn_backend.name == "triton" and self.compiled_decode is None)
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
@@ -232,11 +238,23 @@ class ModelRunner:
                             lens, [seq] * bs, [1] * bs, [seq - 1] * bs, self.req_to_token_pool,
                             self.token_to_kv_pool)
 
+    def _kv_layers(self) -> int:
+        """This stage's layers that keep KV (a hybrid model's full-attention layers only)."""
+        return self.model.attention_layer_count() if self.is_hybrid else self.stage.end - self.stage.start
+
     def _kv_bytes_per_token(self) -> int:
         cfg = self.model_config
         return MHATokenToKVPool.bytes_per_token(
-            self.stage.end - self.stage.start, cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim,
+            self._kv_layers(), cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim,
             self.dtype) + self.logprob_bytes_per_token()
+
+    def _state_bytes_per_slot(self) -> int:
+        """A hybrid model's recurrent state per running request (every GDN layer of the stage)."""
+        layers = self.model.linear_layers() if self.is_hybrid else []
+        if not layers:
+            return 0
+        conv, rec = layers[0].state_shapes()
+        return LinearStatePool.bytes_per_slot(len(layers), conv, rec, self.dtype)
 
     def logprob_bytes_per_token(self) -> int:
         """Prompt logprobs kept with the radix cache: part of each KV token's budget."""
@@ -255,9 +273,12 @@ class ModelRunner:
         else:
             free = psutil.virtual_memory().available
             frac = self.server_args.mem_fraction_static or 0.1
-        tokens = int(free * frac) // self._kv_bytes_per_token()
+        # The state pool (one slot per running request) comes out of the same budget.
+        states = self.state_bytes_per_slot * self.server_args.max_running_requests
+        tokens = (int(free * frac) - states) // self._kv_bytes_per_token()
         if tokens < 2:
-            raise RuntimeError(f"Not enough memory for the KV cache ({free} bytes free).")
+            raise RuntimeError(f"Not enough memory for the KV cache ({free} bytes free"
+                               + (f", {states} of the budget for the recurrent states" if states else "") + ").")
         return tokens
 
     def _init_memory_pool(self) -> None:
@@ -267,7 +288,7 @@ class ModelRunner:
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
             self.max_total_num_tokens, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            self.max_total_num_tokens, self.stage.end - self.stage.start,
+            self.max_total_num_tokens, self._kv_layers(),
             cfg.num_kv_heads_per_rank(self.tp.size), cfg.head_dim, self.dtype, self.device)
         lp_bytes = self.logprob_bytes_per_token()
         self.prompt_logprob_pool = PromptLogprobPool(
@@ -277,6 +298,13 @@ class ModelRunner:
                     "%d B/token)", self.rank_info.log_prefix, self.max_total_num_tokens,
                     self.max_total_num_tokens * self._kv_bytes_per_token() / 2**20,
                     self.max_total_num_tokens * lp_bytes / 2**20, lp_bytes)
+        self.state_pool = state_pool_for(self.model, self.max_running_requests, self.device)
+        if self.state_pool is not None:
+            kv_per_token = self._kv_bytes_per_token() - lp_bytes
+            logger.info("%s recurrent-state pool: %d slots x %.2f MiB = %.1f MiB (%d GDN layers; a slot "
+                        "is %d tokens of KV)", self.rank_info.log_prefix, self.state_pool.num_slots,
+                        self.state_bytes_per_slot / 2**20, self.state_pool.nbytes / 2**20,
+                        self.state_pool.num_layers, self.state_bytes_per_slot // max(kv_per_token, 1))
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
@@ -298,6 +326,8 @@ class ModelRunner:
 
     def _prepare(self, fb: ForwardBatch) -> None:
         prepare_attention(self.attn_backend, fb)  # once per step, outside the layers
+        if self.state_pool is not None:
+            fb.linear_state = build_state_batch(fb, self.state_pool)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,

@@ -37,6 +37,7 @@ from srt.scheduler.step_stats import StepStats
 from srt.mem_cache.radix_cache import RadixCache
 from srt.metrics.scheduler_reporter import SchedulerMetricsReporter
 from srt.model_executor.model_config import ModelConfig
+from srt.model_executor.hybrid_limits import hybrid_serving_args
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 from srt.speculative.spec_state import spec_config_from_args
@@ -49,6 +50,8 @@ class Scheduler(BatchStepMixin):
     def __init__(self, server_args: ServerArgs, rank_info: RankInfo, tp: TPGroup,
                  model_config: ModelConfig, tokenizer=None, batch_log: Optional[BatchLog] = None,
                  pipeline: Optional[PipelineGroup] = None):
+        # Hybrid GDN models: what is refused or switched off for them (model_executor/hybrid_limits.py).
+        server_args, self.model_limits = hybrid_serving_args(server_args, model_config, rank_info.log_prefix)
         self.server_args = server_args
         self.rank_info = rank_info
         self.tp = tp  # this stage's TP group: the layers' collectives, token agreement

@@ -219,6 +219,7 @@ def _build_scheduler(launch: RankLaunch, joined: _JoinedWorld) -> _StartedRank:
     batch_log = BatchLog.from_env(rank_info)
     scheduler = Scheduler(server_args, rank_info, joined.tp, model_config, tokenizer, batch_log,
                           joined.pipeline)
+    server_args = scheduler.server_args  # as served (a hybrid model switches some features off)
     if grammar_pool is not None:
         grammar_pool.attach(scheduler.grammar_manager.backend, rank_info.log_prefix)
     node_address = this_node_address(launch.dist.init_method) if port_args.is_tcp else None
@@ -232,7 +233,10 @@ def _build_scheduler(launch: RankLaunch, joined: _JoinedWorld) -> _StartedRank:
         context_len=runner.context_len,
         vocab_size=model_config.vocab_size,
         eos_token_ids=tuple(model_config.eos_token_ids),
-        prompt_logprob_cache_bytes_per_token=runner.logprob_bytes_per_token())
+        prompt_logprob_cache_bytes_per_token=runner.logprob_bytes_per_token(),
+        linear_state_slots=runner.state_pool.num_slots if runner.state_pool is not None else 0,
+        linear_state_bytes_per_slot=runner.state_bytes_per_slot,
+        model_limits=scheduler.model_limits)
     return _StartedRank(server_args, joined.world, scheduler, receiver, sender, info)
 
 

@@ -137,6 +137,11 @@ class SchedulerInfo:
     eos_token_ids: tuple[int, ...]
     # Prompt logprobs kept with the radix cache: bytes per KV token (0: off), in the budget.
     prompt_logprob_cache_bytes_per_token: int = 0
+    # Hybrid GDN models: the recurrent-state pool (one slot per running request), in the
+    # memory budget; and what is switched off for the model (model_executor/hybrid_limits.py).
+    linear_state_slots: int = 0
+    linear_state_bytes_per_slot: int = 0
+    model_limits: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

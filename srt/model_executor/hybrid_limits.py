@@ -1,0 +1,62 @@
+"""What a hybrid Gated DeltaNet model (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) is served with today.
+
+A recurrent state cannot be cropped or shared the way KV can, so every path that would reuse
+or roll back a state needs its own mechanism; until one is built and tested, the combination
+is refused with a clear message or switched off (and said so), never served approximately:
+
+- radix prefix cache: off (a cached prefix's KV without the state at its end is useless;
+  state checkpoints in the tree are not built yet): every request prefills its whole prompt,
+  and the prompt-logprob cache, which lives in the tree, is off with it;
+- torch.compile / AOTInductor / CUDA graphs: off, the step runs eagerly (the compiled steps
+  are traced without the state pool);
+- refused: speculative decoding (a state that absorbed rejected drafts is wrong: snapshot and
+  replay not built yet), --pp-size > 1, --tp-size > 1, --torchao-config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from srt.model_executor.model_config import ModelConfig
+from srt.models.registry import model_class
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def _refuse(cfg: ModelConfig, what: str, why: str) -> ValueError:
+    return ValueError(f"{cfg.architecture} is a hybrid Gated DeltaNet model: {what} is not built yet "
+                      f"for it ({why}); serve it without (docs/models.md 'Hybrid models')")
+
+
+def hybrid_serving_args(args: ServerArgs, cfg: ModelConfig, log_prefix: str = ""
+                        ) -> tuple[ServerArgs, tuple[str, ...]]:
+    """``(args as served, what was switched off)``; ValueError for a refused combination."""
+    if not getattr(model_class(cfg.architecture), "is_hybrid", False):
+        return args, ()
+    if args.speculative_algorithm is not None:
+        raise _refuse(cfg, f"--speculative-algorithm {args.speculative_algorithm}",
+                      "a recurrent state that absorbed rejected drafts is wrong")
+    if args.pp_size > 1:
+        raise _refuse(cfg, f"--pp-size {args.pp_size}", "stages owning their layers' states")
+    if args.tp_size > 1:
+        raise _refuse(cfg, f"--tp-size {args.tp_size}", "splitting the GDN layers by key-head groups")
+    if args.torchao_config:
+        raise _refuse(cfg, f"--torchao-config {args.torchao_config}", "quantized GDN projections")
+    if args.enable_torch_compile:
+        raise _refuse(cfg, "--enable-torch-compile", "compiled steps with the state pool")
+    changes: dict[str, bool] = {}
+    notes = []
+    if not args.disable_radix_cache:
+        changes["disable_radix_cache"] = True
+        notes.append("radix prefix cache off (state checkpoints in the tree are not built yet): "
+                     "every request prefills its whole prompt; the prompt-logprob cache is off with it")
+    if not args.disable_torch_compile:
+        changes["disable_torch_compile"] = True
+        notes.append("torch.compile off: every step runs eagerly")
+    if not args.disable_cuda_graph:
+        changes["disable_cuda_graph"] = True
+        notes.append("CUDA graphs off")
+    for note in notes:
+        logger.info("%s %s: %s", log_prefix, cfg.architecture, note)
+    return dataclasses.replace(args, **changes), tuple(notes)

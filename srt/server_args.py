@@ -54,6 +54,7 @@ class ServerArgs:
     max_total_tokens: Optional[int] = _f(None, "KV-cache pool size in tokens (default: from --mem-fraction-static).")
     mem_fraction_static: Optional[float] = _f(None, "Fraction of free memory for the KV cache (default: 0.85 on CUDA, 0.1 of RAM on CPU).")
     max_running_requests: int = _f(64, "Maximum requests decoding at once.")
+    max_mamba_cache_size: Optional[int] = _f(None, "Hybrid Gated DeltaNet models (Qwen3.5, Qwen3-Next; SGLang's flag): recurrent-state slots in all, one per running request plus the radix cache's state checkpoints; each costs one request's state (docs/models.md 'Hybrid models'). Default: 3 x --max-running-requests with the radix cache, else --max-running-requests.")
     max_queued_requests: Optional[int] = _f(None, "Most requests waiting to run (queued or compiling their grammar) per DP group; past it a new request gets 503 at once (SGLang's flag; default: unbounded).")
     chunked_prefill_size: Optional[int] = _f(None, "Most prompt tokens prefilled in one step while requests are decoding: a longer prompt is split into chunks, with a decode step for the running requests after each (with none running, a step takes up to --max-prefill-tokens). -1 disables. Default: 256 on CPU, 8192 on CUDA (docs/speed.md 'Chunked prefill').")
     max_prefill_tokens: int = _f(8192, "Token budget of one prefill batch (a longer single prompt still runs alone).")
@@ -154,6 +155,9 @@ class ServerArgs:
             raise ValueError("--max-request-bytes must be at least 1024")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be at least 1")
+        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < self.max_running_requests:
+            raise ValueError(f"--max-mamba-cache-size ({self.max_mamba_cache_size}) must be at least "
+                             f"--max-running-requests ({self.max_running_requests}): a slot per running request")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be at least 0")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
@@ -188,6 +192,12 @@ class ServerArgs:
         if self.random_seed is None:
             return dataclasses.replace(self, random_seed=random.randint(0, 2**30))
         return self
+
+    def state_slots(self) -> int:
+        """Hybrid models' recurrent-state slots (--max-mamba-cache-size, or its default)."""
+        if self.max_mamba_cache_size is not None:
+            return self.max_mamba_cache_size
+        return self.max_running_requests * (1 if self.disable_radix_cache else 3)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

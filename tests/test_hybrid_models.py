@@ -129,12 +129,6 @@ def test_layer_kinds_and_pool_indices_follow_layer_types(hybrid_dirs):
     assert len(model.linear_layers()) == 3
 
 
-def test_tensor_parallel_is_refused_with_a_clear_message(hybrid_dirs):
-    # The refusal comes before any collective, so a group descriptor without processes will do.
-    with pytest.raises(ValueError, match="tensor parallelism .* not built yet for hybrid"):
-        load_model(ModelConfig.from_path(hybrid_dirs["qwen3_5"]), TPGroup(rank=0, size=2), torch.float32, "cpu")
-
-
 def _decode_rows(run, rows: list[tuple[int, int]]):
     """One DECODE batch whose rows are ``(seq, token)``; a sequence's several rows are
     consecutive, each one position further (the scheduler's grammar fast-forward rows)."""

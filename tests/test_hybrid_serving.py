@@ -15,7 +15,9 @@ import json
 import jsonschema
 import pytest
 
+from sampling.sampling_params import SamplingParams
 from srt.frontend.samples import split_samples
+from srt.transport.io_struct import TokenizedGenerateReq
 from srt.model_executor.hybrid_limits import hybrid_serving_args
 from srt.model_executor.model_config import ModelConfig
 from srt.server_args import ServerArgs
@@ -37,8 +39,10 @@ def _prompts(tok) -> list[str]:
 @pytest.fixture(scope="module")
 def alone(tiny_hybrid_dir, smollm2_tokenizer):
     tok = smollm2_tokenizer
-    s = make_scheduler(tiny_hybrid_dir, tok, max_total_tokens=2048, max_running_requests=8)
-    assert s.kv.tree is None and s.runner.state_pool is not None  # radix cache off for hybrids
+    # The reference: no radix cache, every prompt computed from its first token.
+    s = make_scheduler(tiny_hybrid_dir, tok, max_total_tokens=2048, max_running_requests=8,
+                       disable_radix_cache=True)
+    assert s.kv.tree is None and s.runner.state_pool is not None
     answers = []
     for i, p in enumerate(_prompts(tok)):
         outs = run_until_done(s, {0: [req(tok, f"a{i}", p, **GREEDY)]})
@@ -75,14 +79,17 @@ def test_retraction_frees_the_slot_and_the_request_resumes_exactly(
 
 
 def test_n4_equals_four_requests(tiny_hybrid_dir, smollm2_tokenizer, alone):
-    """n = 4 as the frontend sends it (four samples of one prefix group, samples.py): each
-    sample prefills its own state (no radix cache to share one), greedy equal to the prompt
-    alone; seeded samples reproducible and distinct."""
+    """n = 4 as the frontend sends it (four samples of one prefix group, samples.py): one
+    prefill, the others start from its state checkpoint; greedy equal to the prompt alone;
+    seeded samples reproducible and distinct."""
     tok = smollm2_tokenizer
     s = make_scheduler(tiny_hybrid_dir, tok, max_total_tokens=2048, max_running_requests=8)
     prompt = _prompts(tok)[2]
     outs = run_until_done(s, {0: split_samples(req(tok, "n", prompt, n=4, **GREEDY))})
     assert [outs[f"n-{i}"]["ids"] for i in range(4)] == [alone[2]] * 4
+    # One prefill: the other samples fork its state one token before the prompt's end.
+    prompt_len = outs["n-0"]["prompt_tokens"]
+    assert sorted(outs[f"n-{i}"]["cached_tokens"] for i in range(4)) == [0] + [prompt_len - 1] * 3
     seeded = dict(temperature=0.9, max_new_tokens=12, ignore_eos=True, seed=5)
     one = run_until_done(s, {0: split_samples(req(tok, "s", prompt, n=4, **seeded))})
     again = run_until_done(s, {0: split_samples(req(tok, "s", prompt, n=4, **seeded))})
@@ -116,7 +123,7 @@ def test_json_schema_with_fast_forward_is_valid_and_batch_independent(
 
 
 @pytest.mark.parametrize("kw, what", [
-    ({"speculative_algorithm": "NGRAM"}, "--speculative-algorithm NGRAM"),
+    ({"pp_size": 2}, "--pp-size 2"),
     ({"torchao_config": "int8wo"}, "--torchao-config int8wo"),
     ({"enable_torch_compile": True}, "--enable-torch-compile"),
 ])
@@ -128,8 +135,8 @@ def test_combinations_not_built_yet_are_refused(tiny_hybrid_dir, kw, what):
 
 def test_what_is_switched_off_is_said(tiny_hybrid_dir, tiny_dir):
     served, notes = hybrid_serving_args(ServerArgs(model_path=tiny_hybrid_dir), ModelConfig.from_path(tiny_hybrid_dir))
-    assert served.disable_radix_cache and served.disable_torch_compile
-    assert any("radix prefix cache off" in n for n in notes)
+    assert served.disable_prompt_logprob_cache and served.disable_torch_compile and not served.disable_radix_cache
+    assert any("prompt-logprob cache off" in n for n in notes)
     dense = ServerArgs(model_path=tiny_dir)
     assert hybrid_serving_args(dense, ModelConfig.from_path(tiny_dir)) == (dense, ())
 
@@ -142,7 +149,62 @@ def test_engine_reports_the_state_pool_and_serves_n2(tiny_hybrid_dir):
     with Engine(model_path=tiny_hybrid_dir, dtype="float32", max_total_tokens=1024,
                 max_running_requests=4, random_seed=0) as engine:
         info = engine.scheduler_info
-        assert info.linear_state_slots == 4 and info.linear_state_bytes_per_slot > 0
-        assert any("radix prefix cache off" in n for n in info.model_limits)
+        assert info.linear_state_slots == 12 and info.linear_state_bytes_per_slot > 0  # 4 running + 8 checkpoints
+        assert any("prompt-logprob cache off" in n for n in info.model_limits)
         outs = engine.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 8, "n": 2})
         assert len(outs) == 2 and outs[0]["output_ids"] == outs[1]["output_ids"]
+
+
+def test_speculation_rolls_back_rejected_drafts_exactly(tiny_hybrid_dir, smollm2_tokenizer, alone):
+    """NGRAM drafts on a hybrid: greedy tokens identical to decoding without speculation
+    while drafts are accepted in part (the slot rolled back to the last kept row's state),
+    with a JSON-schema request among them (fast-forward rows and drafts together). Each
+    prompt is P + (P's answer) + P: the drafter proposes the old answer, and the random
+    model follows it for a few tokens, then not (a forced partial acceptance)."""
+    tok = smollm2_tokenizer
+    prompts = [tuple(tok(p)["input_ids"]) for p in _prompts(tok)[:4]]
+    looped = [p + tuple(a) + p for p, a in zip(prompts, alone)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    schema = dict(temperature=0, max_new_tokens=80, json_schema=json.dumps(SCHEMA))
+
+    def run(spec):
+        s = make_scheduler(tiny_hybrid_dir, tok, max_total_tokens=4096, max_running_requests=8,
+                           speculative_algorithm="NGRAM" if spec else None)
+        reqs = [TokenizedGenerateReq(f"p{i}", ids, greedy) for i, ids in enumerate(looped)]
+        reqs.append(req(tok, "json", "A person as JSON:", **schema))
+        outs = run_until_done(s, {0: reqs})
+        s.grammar_manager.backend.shutdown()
+        return {rid: o["ids"] for rid, o in outs.items()}, s
+
+    plain, _ = run(False)
+    spec, s = run(True)
+    assert spec == plain
+    st = s.step_stats
+    assert 0 < st.spec_accepted_tokens < st.spec_drafted_tokens and s.kv.state_pool.rollbacks > 0
+    jsonschema.validate(json.loads(tok.decode(spec["json"], skip_special_tokens=True)), SCHEMA)
+
+
+def test_radix_cache_hits_resume_from_state_checkpoints_exactly(tiny_hybrid_dir, smollm2_tokenizer, alone):
+    """The same prompt again: a hit one token short of it (the checkpoint kept there); prompts
+    sharing a long system prompt: the second one checkpoints the branch point, the later ones
+    hit it. Every answer equals the no-cache reference; the tree's checkpoints are all
+    accounted for when idle (run_until_done's check_idle_integrity)."""
+    tok = smollm2_tokenizer
+    s = make_scheduler(tiny_hybrid_dir, tok, max_total_tokens=4096, max_running_requests=8)
+    ref = make_scheduler(tiny_hybrid_dir, tok, max_total_tokens=4096, max_running_requests=8,
+                         disable_radix_cache=True)
+    prompts = _prompts(tok)
+    first = run_until_done(s, {0: [req(tok, "x", prompts[2], **GREEDY)]})["x"]
+    again = run_until_done(s, {0: [req(tok, "y", prompts[2], **GREEDY)]})["y"]
+    assert first["ids"] == again["ids"] == alone[2]
+    assert first["cached_tokens"] == 0 and again["cached_tokens"] == first["prompt_tokens"] - 1
+    system = " ".join(f"Rule {i}: answer in one short line about topic {i}." for i in range(10))
+    questions = [f"{system} Question {q}?" for q in ("one", "two", "three", "four")]
+    got = [run_until_done(s, {0: [req(tok, f"q{i}", q, **GREEDY)]})[f"q{i}"] for i, q in enumerate(questions)]
+    want = [run_until_done(ref, {0: [req(tok, f"q{i}", q, **GREEDY)]})[f"q{i}"] for i, q in enumerate(questions)]
+    assert [g["ids"] for g in got] == [w["ids"] for w in want]
+    shared = len(tok(system)["input_ids"])
+    assert got[0]["cached_tokens"] == got[1]["cached_tokens"] == 0  # no checkpoint at the branch yet
+    assert all(g["cached_tokens"] >= shared - 2 for g in got[2:])  # the branch point's checkpoint
+    assert s.kv.tree.digest() == s.kv.tree.digest()  # stable; the checkpoints are hashed with the tree
+    assert s.kv.states.checkpoints.available() < s.kv.states.checkpoints.capacity

@@ -9,6 +9,13 @@ Lock-step: every operation is a pure function of the request stream all ranks ag
 "Recently used" is a logical clock ticked per operation, never wall time, and ties break
 by node creation order, so every TP rank holds the same tree and evicts the same nodes;
 ``digest()`` lets a test (and the batch log) check that.
+
+Hybrid models (Gated DeltaNet): a node may also hold a recurrent-state checkpoint (``state``:
+a slot of the LinearStatePool) - the state after the node's last token, stored only where it
+is exact. KV alone is useless to such a model, so its matches stop at the deepest node with a
+checkpoint (``deepest_checkpoint``). Splitting an edge keeps the state on the lower node (it
+still ends where the state does); evicting a node frees its checkpoint; checkpoints have their
+own budget (``evict_state``).
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import torch
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "node_id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "node_id", "state")
 
     def __init__(self, node_id: int, parent: Optional["TreeNode"], key: list[int],
                  value: torch.Tensor, clock: int):
@@ -31,6 +38,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = clock
         self.node_id = node_id
+        self.state: Optional[int] = None  # hybrid models: the state checkpoint's slot
 
 
 def _common_len(a: list[int], b: list[int]) -> int:
@@ -42,9 +50,12 @@ def _common_len(a: list[int], b: list[int]) -> int:
 
 
 class RadixCache:
-    def __init__(self, free_slots: Callable[[torch.Tensor], None], device: str):
-        """``free_slots(indices)`` returns evicted KV slots to the allocator."""
+    def __init__(self, free_slots: Callable[[torch.Tensor], None], device: str,
+                 free_state: Optional[Callable[[int], None]] = None):
+        """``free_slots(indices)`` returns evicted KV slots to the allocator;
+        ``free_state(slot)`` an evicted node's state checkpoint (hybrid models)."""
         self.free_slots = free_slots
+        self.free_state = free_state
         self.device = device
         self.evicted_tokens = 0  # since start (flushes not counted): for logs and tests
         self.reset()
@@ -158,6 +169,9 @@ class RadixCache:
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
             self.free_slots(leaf.value)
+            if leaf.state is not None:  # the state below evicted KV goes with it
+                self.free_state(leaf.state)
+                leaf.state = None
             freed += len(leaf.key)
             self.evictable_size -= len(leaf.key)
             self.evicted_tokens += len(leaf.key)
@@ -166,6 +180,37 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed
+
+    # ---- state checkpoints (hybrid models) ----------------------------------------------
+    def deepest_checkpoint(self, node: TreeNode) -> tuple[TreeNode, int]:
+        """The nearest node at or above ``node`` that holds a state checkpoint (the root,
+        depth 0, if none) and its depth in tokens."""
+        while node is not self.root and node.state is None:
+            node = node.parent
+        depth, up = 0, node
+        while up is not self.root:
+            depth += len(up.key)
+            up = up.parent
+        return node, depth
+
+    def state_nodes(self) -> list[TreeNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.state is not None:
+                out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def evict_state(self) -> Optional[int]:
+        """Take the least recently used checkpoint of an unlocked node (ties: oldest node)
+        off its node and return its slot; None when every checkpoint is in use."""
+        nodes = [n for n in self.state_nodes() if n.lock_ref == 0]
+        if not nodes:
+            return None
+        node = min(nodes, key=lambda n: (n.last_access, n.node_id))
+        slot, node.state = node.state, None
+        return slot
 
     def _leaves(self) -> list[TreeNode]:
         out, stack = [], [self.root]
@@ -191,5 +236,7 @@ class RadixCache:
         while stack:
             node, depth = stack.pop()
             h.update(repr((depth, node.key, node.value.tolist(), node.lock_ref)).encode())
+            if node.state is not None:  # hybrid models: the checkpoints too
+                h.update(repr(("state", node.state)).encode())
             stack.extend((node.children[t], depth + 1) for t in sorted(node.children, reverse=True))
         return h.hexdigest()[:16]

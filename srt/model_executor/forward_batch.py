@@ -47,6 +47,12 @@ class ForwardBatch:
     # Hybrid models: the step's linear-attention state view (layers/linear_attention/state_batch.py),
     # built by the model runner beside the attention metadata.
     linear_state: Optional[Any] = None
+    # DECODE with speculative drafts: keep each row's linear state, for the rollback of
+    # rejected drafts (mem_cache/linear_state_pool.py).
+    keep_row_states: bool = False
+    # EXTEND, hybrid models with the radix cache: per sequence, (offset in its new tokens,
+    # checkpoint slot) where the prefill keeps its state (mem_cache/state_checkpoints.py).
+    state_marks: Optional[list[tuple[tuple[int, int], ...]]] = None
     # MIXED: the two parts this batch concatenates (decode rows first).
     decode_part: Optional["ForwardBatch"] = None
     extend_part: Optional["ForwardBatch"] = None

@@ -4,13 +4,14 @@ A recurrent state cannot be cropped or shared the way KV can, so every path that
 or roll back a state needs its own mechanism; until one is built and tested, the combination
 is refused with a clear message or switched off (and said so), never served approximately:
 
-- radix prefix cache: off (a cached prefix's KV without the state at its end is useless;
-  state checkpoints in the tree are not built yet): every request prefills its whole prompt,
-  and the prompt-logprob cache, which lives in the tree, is off with it;
+- the radix prefix cache keeps recurrent-state checkpoints (scheduler/hybrid_state_cache.py);
+  the prompt-logprob cache, which would need a state at every scored position, is off;
 - torch.compile / AOTInductor / CUDA graphs: off, the step runs eagerly (the compiled steps
   are traced without the state pool);
-- refused: speculative decoding (a state that absorbed rejected drafts is wrong: snapshot and
-  replay not built yet), --pp-size > 1, --tp-size > 1, --torchao-config.
+- refused: --pp-size > 1, --tp-size > 1, --torchao-config, --enable-torch-compile.
+
+Speculative decoding is served: a step with drafts keeps each row's state and rejected drafts
+are rolled back (mem_cache/linear_state_pool.py).
 """
 from __future__ import annotations
 
@@ -34,9 +35,6 @@ def hybrid_serving_args(args: ServerArgs, cfg: ModelConfig, log_prefix: str = ""
     """``(args as served, what was switched off)``; ValueError for a refused combination."""
     if not getattr(model_class(cfg.architecture), "is_hybrid", False):
         return args, ()
-    if args.speculative_algorithm is not None:
-        raise _refuse(cfg, f"--speculative-algorithm {args.speculative_algorithm}",
-                      "a recurrent state that absorbed rejected drafts is wrong")
     if args.pp_size > 1:
         raise _refuse(cfg, f"--pp-size {args.pp_size}", "stages owning their layers' states")
     if args.tp_size > 1:
@@ -47,10 +45,10 @@ def hybrid_serving_args(args: ServerArgs, cfg: ModelConfig, log_prefix: str = ""
         raise _refuse(cfg, "--enable-torch-compile", "compiled steps with the state pool")
     changes: dict[str, bool] = {}
     notes = []
-    if not args.disable_radix_cache:
-        changes["disable_radix_cache"] = True
-        notes.append("radix prefix cache off (state checkpoints in the tree are not built yet): "
-                     "every request prefills its whole prompt; the prompt-logprob cache is off with it")
+    if not args.disable_prompt_logprob_cache and not args.disable_radix_cache:
+        changes["disable_prompt_logprob_cache"] = True
+        notes.append("prompt-logprob cache off (it would need a recurrent state at every scored "
+                     "position): prompt logprobs are computed again for each request")
     if not args.disable_torch_compile:
         changes["disable_torch_compile"] = True
         notes.append("torch.compile off: every step runs eagerly")

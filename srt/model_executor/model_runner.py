@@ -274,7 +274,7 @@ class ModelRunner:
             free = psutil.virtual_memory().available
             frac = self.server_args.mem_fraction_static or 0.1
         # The state pool (one slot per running request) comes out of the same budget.
-        states = self.state_bytes_per_slot * self.server_args.max_running_requests
+        states = self.state_bytes_per_slot * self.server_args.state_slots()
         tokens = (int(free * frac) - states) // self._kv_bytes_per_token()
         if tokens < 2:
             raise RuntimeError(f"Not enough memory for the KV cache ({free} bytes free"
@@ -298,11 +298,14 @@ class ModelRunner:
                     "%d B/token)", self.rank_info.log_prefix, self.max_total_num_tokens,
                     self.max_total_num_tokens * self._kv_bytes_per_token() / 2**20,
                     self.max_total_num_tokens * lp_bytes / 2**20, lp_bytes)
-        self.state_pool = state_pool_for(self.model, self.max_running_requests, self.device)
+        # Running requests' slots first (slot = table row), then the radix cache's checkpoints.
+        self.state_pool = state_pool_for(self.model, self.server_args.state_slots(), self.device)
         if self.state_pool is not None:
             kv_per_token = self._kv_bytes_per_token() - lp_bytes
-            logger.info("%s recurrent-state pool: %d slots x %.2f MiB = %.1f MiB (%d GDN layers; a slot "
-                        "is %d tokens of KV)", self.rank_info.log_prefix, self.state_pool.num_slots,
+            logger.info("%s recurrent-state pool: %d slots (%d running requests, %d radix-cache "
+                        "checkpoints) x %.2f MiB = %.1f MiB (%d GDN layers; a slot is %d tokens of KV)",
+                        self.rank_info.log_prefix, self.state_pool.num_slots, self.max_running_requests,
+                        self.state_pool.num_slots - self.max_running_requests,
                         self.state_bytes_per_slot / 2**20, self.state_pool.nbytes / 2**20,
                         self.state_pool.num_layers, self.state_bytes_per_slot // max(kv_per_token, 1))
 

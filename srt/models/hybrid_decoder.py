@@ -7,6 +7,8 @@
 - Every norm is the zero-centred ``(1 + w)`` RMSNorm, except the GDN's gated norm.
 - KV-pool indices count only the full-attention layers, state-pool indices only the GDN
   layers, both from the pipeline stage's first layer.
+- TP splits whole heads (attention query heads with their gates, KV heads, GDN key-head
+  groups), never pads them: a --tp-size that does not divide them is refused (check_tp_heads).
 - The real Qwen3.5 checkpoints are ``*ForConditionalGeneration``: the text decoder under
   ``model.language_model.``; the vision tower (``model.visual.``) and the multi-token
   prediction head (``mtp.``) are not served and are skipped, said in the log.
@@ -40,7 +42,8 @@ class GatedSelfAttention(nn.Module):
         super().__init__()
         bias = bool(getattr(cfg.hf_config, "attention_bias", False))
         d, self.head_dim = cfg.head_dim, cfg.head_dim
-        # The query part holds 2 x heads "heads" of D: each head's query, then its gate.
+        # The query part holds 2 x heads "heads" of D: each head's query, then its gate. A rank's
+        # contiguous share is whole (query, gate) pairs since tp divides the heads (check_tp_heads).
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, 2 * cfg.num_attention_heads,
                                           cfg.num_key_value_heads, bias=bias, tp=tp, params_dtype=dtype)
         self.num_heads = self.qkv_proj.num_heads // 2
@@ -100,14 +103,32 @@ def layer_types(hf_config) -> list[str]:
     return types[:hf_config.num_hidden_layers]
 
 
+def check_tp_heads(cfg: ModelConfig, tp_size: int) -> None:
+    """Hybrids split whole heads, never padded (CausalLM._pad_heads stays a no-op): the query
+    heads, each with its gate beside it in q_proj (a split of the 2H query "heads" at an odd
+    point would part a query from its gate); KV heads split or replicated; GDN key-head groups."""
+    if tp_size == 1:
+        return
+    hf, heads, kv = cfg.hf_config, cfg.num_attention_heads, cfg.num_key_value_heads
+    bad = []
+    if heads % tp_size:
+        bad.append(f"num_attention_heads={heads}")
+    if kv % tp_size and tp_size % kv:
+        bad.append(f"num_key_value_heads={kv} (neither divides the other)")
+    if hf.linear_num_key_heads % tp_size:
+        bad.append(f"linear_num_key_heads={hf.linear_num_key_heads}")
+    if bad:
+        raise ValueError(f"{cfg.architecture}: --tp-size {tp_size} does not split the heads of this hybrid "
+                         f"model: {', '.join(bad)}; choose a --tp-size that divides them")
+    assert cfg.padded_heads(tp_size) == (heads, kv)  # so the loader pads nothing
+
+
 class HybridForCausalLM(CausalLM):
     norm_class = ZeroCenteredRMSNorm
     is_hybrid = True
 
     def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup(), dtype=None, stage=None, ep_size: int = 1):
-        if tp.size > 1:
-            raise ValueError(f"{config.architecture}: tensor parallelism (--tp-size {tp.size}) is not built "
-                             "yet for hybrid Gated DeltaNet models; serve it at --tp-size 1 (docs/models.md)")
+        check_tp_heads(config, tp.size)
         self.types = layer_types(config.hf_config)
         super().__init__(config, tp, dtype, stage, ep_size)
 

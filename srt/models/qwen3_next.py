@@ -7,7 +7,8 @@ rows are, for each of the Hk groups, [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] with r
 and ``in_proj_ba`` rows [b (r), a (r)] per group. They are split at load into Qwen3.5's
 ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, the same products in the
 order Qwen3.5 computes them (transformers' ``fix_query_key_value_ordering``), so one layer
-serves both families.
+serves both families; at TP > 1 the split parts go through the layer's weight loaders, which
+keep this rank's key-head groups.
 """
 from __future__ import annotations
 
@@ -50,18 +51,16 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         head = f"model.layers.{i}.linear_attn."
         if i < 0 or name not in (head + "in_proj_qkvz.weight", head + "in_proj_ba.weight"):
             return MoeForCausalLM.load_special_weight(self, name, tensor)
-        gdn = self.model.layers[i].linear_attn
-        hk, r = gdn.num_k_heads, gdn.num_v_heads // gdn.num_k_heads
+        gdn, hf = self.model.layers[i].linear_attn, self.config.hf_config
+        hk = hf.linear_num_key_heads  # the checkpoint's (all ranks') heads; gdn's are per rank
+        r = hf.linear_num_value_heads // hk
         if name.endswith("qkvz.weight"):
             parts = zip(("in_proj_qkv", "in_proj_z"), split_qkvz(tensor, hk, gdn.head_k_dim, r * gdn.head_v_dim))
         else:
             parts = zip(("in_proj_b", "in_proj_a"), split_ba(tensor, hk, r))
         filled = []
-        for sub, t in parts:
+        for sub, t in parts:  # full de-interleaved tensors: each loader keeps this rank's heads
             param = getattr(gdn, sub).weight
-            if param.shape != t.shape:
-                raise ValueError(f"{name}: split part {sub} has shape {tuple(t.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.data.copy_(t)
+            param.weight_loader(param, t, None)
             filled.append(f"{head}{sub}.weight")
         return tuple(filled)

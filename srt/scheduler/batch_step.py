@@ -105,6 +105,8 @@ class BatchStepMixin(SpecStepMixin):
             fb = self.kv.prepare_mixed(reqs[:n], reqs[n:])
             steps = [self._decode_step(reqs[:n], fb.decode_part, counts, drafts),
                      self._extend_step(reqs[n:], fb.extend_part)]
+        if any(drafts):  # hybrid models keep each row's state, to undo rejected drafts
+            (fb.decode_part or fb).keep_row_states = True
         self.batch_log.record(mode.name, (r.rid for r in reqs))
         return steps, fb
 

@@ -13,6 +13,9 @@ import torch
 
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode, mixed_batch
 from srt.scheduler.req import Req
+from srt.mem_cache.linear_state_pool import LinearStatePool
+from srt.mem_cache.state_checkpoints import StateCheckpoints
+from srt.scheduler.hybrid_state_cache import HybridStateCache
 from srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt.mem_cache.prompt_logprob_pool import PromptLogprobPool
 from srt.mem_cache.radix_cache import RadixCache
@@ -22,8 +25,14 @@ from srt.scheduler.prompt_logprob_cache import match_for_scoring, store_scored, 
 class KVCacheManager:
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator,
                  kv_pool: MHATokenToKVPool, device: str, radix_cache: Optional[RadixCache] = None,
-                 logprob_pool: Optional[PromptLogprobPool] = None):
+                 logprob_pool: Optional[PromptLogprobPool] = None,
+                 state_pool: Optional[LinearStatePool] = None,
+                 checkpoints: Optional[StateCheckpoints] = None):
         self.req_to_token_pool = req_to_token_pool
+        # Hybrid models: the GDN layers' states, one slot per table row (rolled back by truncate),
+        # and with the tree its state checkpoints (hybrid_state_cache.py).
+        self.state_pool = state_pool
+        self.states = HybridStateCache(radix_cache, checkpoints) if radix_cache and checkpoints else None
         self.allocator = allocator
         self.kv_pool = kv_pool
         self.device = device
@@ -60,6 +69,8 @@ class KVCacheManager:
         else:  # prompt logprobs from position k need the logits of position k - 1
             end = max(req.logprob_start - 1, 0)
         slots, node = self.tree.match_prefix(req.fill_ids[:end])
+        if self.states is not None:  # a hybrid model: only as far as a state checkpoint
+            slots, node = self.states.limit_match(req, slots, node)
         req.prefix_slots, req.last_node = slots, node
         if req.cached_tokens is None:  # first admission: what the user is told was cached
             req.cached_tokens = min(len(slots), len(req.origin_input_ids))
@@ -74,7 +85,7 @@ class KVCacheManager:
 
     def prepare_extend(self, reqs: list[Req]) -> ForwardBatch:
         """Prefill ``fill_ids`` beyond each request's cached prefix. Caller checked capacity."""
-        ids, positions, prefix_lens, extend_lens = [], [], [], []
+        ids, positions, prefix_lens, extend_lens, marks = [], [], [], [], []
         for r in reqs:
             if r.req_pool_idx is None:
                 r.req_pool_idx = self.req_to_token_pool.alloc()
@@ -82,10 +93,14 @@ class KVCacheManager:
                     n = len(r.prefix_slots)
                     self.req_to_token_pool.req_to_token[r.req_pool_idx, :n] = r.prefix_slots
                     r.prefix_len = r.kv_committed_len = n
+                    if self.states is not None:
+                        self.states.admit(r)
                 take_cached(r)
             fill = r.fill_ids
             start = r.kv_committed_len
             end = len(fill) if r.extend_limit is None else start + r.extend_limit
+            if self.states is not None:
+                marks.append(self.states.marks(r, start, end))
             ids.extend(fill[start:end])
             positions.extend(range(start, end))
             prefix_lens.append(start)
@@ -99,8 +114,10 @@ class KVCacheManager:
             offset += n
             r.kv_committed_len = start + n
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
-        return self._batch(ForwardMode.EXTEND, reqs, ids, positions, out_loc, seq_lens,
-                           extend_lens, prefix_lens)
+        fb = self._batch(ForwardMode.EXTEND, reqs, ids, positions, out_loc, seq_lens,
+                         extend_lens, prefix_lens)
+        fb.state_marks = marks if any(marks) else None
+        return fb
 
     def prepare_decode(self, reqs: list[Req]) -> ForwardBatch:
         """One step: feed each request's tokens without KV (``uncomputed_tokens``: its last
@@ -168,6 +185,8 @@ class KVCacheManager:
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         self.allocator.free(row[length:req.kv_committed_len].clone())
         req.kv_committed_len = length
+        if self.state_pool is not None:  # a hybrid model: the state after the last kept row
+            self.state_pool.rollback(req.req_pool_idx, length)
 
     def release(self, req: Req) -> None:
         """A request ends (finish, abort, grammar failure) or is retracted: its computed
@@ -209,6 +228,8 @@ class KVCacheManager:
         cached = self.tree.insert(req.fill_ids[:n], slots)
         if cached > req.prefix_len:
             self.allocator.free(slots[req.prefix_len:cached])
+        if self.states is not None:
+            self.states.attach(req, n)
         if self.logprob_pool is not None and req.scored_until > req.logprobs_stored_until:
             store_scored(req, self.tree.peek(req.fill_ids[:n]), self.logprob_pool)
 
@@ -218,6 +239,8 @@ class KVCacheManager:
             return True
         if self.tree.protected_size:
             return False
+        if self.states is not None:
+            self.states.flush()
         self.allocator.free(self.tree.all_slots())
         self.tree.reset()
         return True
@@ -234,3 +257,6 @@ class KVCacheManager:
                 f"KV cache leak: {free_tokens} free + {cached} cached ({locked} locked) of "
                 f"{self.allocator.size} token slots, {free_rows}/{self.req_to_token_pool.size} "
                 "request rows free while idle")
+        leak = self.states.leak() if self.states is not None else None
+        if leak:
+            raise RuntimeError(f"recurrent-state leak while idle: {leak}")

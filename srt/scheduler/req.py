@@ -63,6 +63,10 @@ class Req:
         self.logprobs_stored_until = 0
         self.cached_prompt_logprobs = None
         self.prefix_group = prefix_group  # samples of one prompt (n > 1)
+        # Hybrid models with the radix cache: positions whose recurrent state the next prefill
+        # keeps as a checkpoint, and (position, checkpoint slot) kept but not yet in the tree.
+        self.state_marks: list[int] = []
+        self.pending_checkpoints: list[tuple[int, int]] = []
 
     @property
     def return_logprob(self) -> bool:

@@ -37,6 +37,7 @@ from srt.scheduler.step_stats import StepStats
 from srt.mem_cache.radix_cache import RadixCache
 from srt.metrics.scheduler_reporter import SchedulerMetricsReporter
 from srt.model_executor.model_config import ModelConfig
+from srt.mem_cache.state_checkpoints import StateCheckpoints
 from srt.model_executor.hybrid_limits import hybrid_serving_args
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
@@ -63,10 +64,14 @@ class Scheduler(BatchStepMixin):
         self.tokenizer = tokenizer  # only for stop strings
         self.runner = ModelRunner(server_args, model_config, rank_info, tp, pipeline=pipeline)
         r = self.runner
+        # Hybrid models: the state pool's slots past the running requests' are the tree's checkpoints.
+        checkpoints = (StateCheckpoints(r.state_pool, r.max_running_requests)
+                       if r.state_pool is not None and not server_args.disable_radix_cache else None)
         tree = None if server_args.disable_radix_cache else RadixCache(
-            r.token_to_kv_pool_allocator.free, r.device)
+            r.token_to_kv_pool_allocator.free, r.device, checkpoints.free if checkpoints else None)
         self.kv = KVCacheManager(r.req_to_token_pool, r.token_to_kv_pool_allocator,
-                                 r.token_to_kv_pool, r.device, tree, r.prompt_logprob_pool)
+                                 r.token_to_kv_pool, r.device, tree, r.prompt_logprob_pool, r.state_pool,
+                                 checkpoints)
         self.eos_ids = frozenset(model_config.eos_token_ids)
         self.vocab_size = model_config.vocab_size
         self.waiting: deque[Req] = deque()

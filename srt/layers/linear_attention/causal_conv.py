@@ -12,14 +12,15 @@ import torch.nn.functional as F
 _ACTIVATIONS = {None: None, "silu": F.silu, "swish": F.silu}
 
 
-def causal_conv1d(x, weight, bias=None, conv_state=None, activation=None):
+def causal_conv1d(x, weight, bias=None, conv_state=None, activation=None, all_states=False):
     """y[t, c] = act(bias[c] + sum_j weight[c, j] * xs[t + j, c]), xs = [conv_state, x] over time.
 
     x: [B, T, C]; weight: [C, K] (nn.Conv1d's [C, 1, K] squeezed); bias: [C] or None;
     conv_state: [B, C, K-1] (the previous K-1 inputs, oldest first) or None for zeros;
     activation: None or "silu". Returns ``(y [B, T, C] in x's dtype, new_conv_state [B, C, K-1])``:
     the last K-1 columns of xs, in the weight's dtype. ``conv_state`` is not modified, so a
-    snapshot of it stays valid (speculative decoding restores from one).
+    snapshot of it stays valid (speculative decoding restores from one). ``all_states``: also
+    the state after each input, ``[B, T, C, K-1]`` (the window ending at it).
     """
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unsupported activation {activation!r}")
@@ -36,4 +37,7 @@ def causal_conv1d(x, weight, bias=None, conv_state=None, activation=None):
     act = _ACTIVATIONS[activation]
     if act is not None:
         y = act(y)
-    return y.transpose(1, 2).to(x.dtype), xs[:, :, xs.shape[-1] - (k - 1):].clone()
+    last = xs[:, :, xs.shape[-1] - (k - 1):].clone()
+    if all_states:  # window t = xs[t+1 : t+K], the K-1 inputs up to and including input t
+        return y.transpose(1, 2).to(x.dtype), last, xs.unfold(-1, k - 1, 1)[:, :, 1:].transpose(1, 2).clone()
+    return y.transpose(1, 2).to(x.dtype), last

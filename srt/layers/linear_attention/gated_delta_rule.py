@@ -55,17 +55,20 @@ def _unit_lower_solve(a, rhs):
     return torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, state=None, *, use_qk_l2norm=False, scale=None):
+def recurrent_gated_delta_rule(q, k, v, g, beta, state=None, *, use_qk_l2norm=False, scale=None,
+                               all_states=False):
     """Token-by-token gated delta rule (decode, T typically 1; any T works).
 
     Same shapes as the module docstring; ``state`` None means a zero state. Returns
     ``(out [B, T, Hv, Dv], new_state [B, Hv, Dk, Dv] fp32)``; ``state`` itself is not modified.
+    ``all_states``: also the state after each token, ``[B, T, Hv, Dk, Dv]`` (speculative
+    decoding keeps the one after the last accepted row).
     """
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm, scale)
     b, h, t, dk = k.shape
     s = _initial_state(state, b, h, dk, v.shape[-1], v.device)
-    outs = []
+    outs, states = [], []
     for i in range(t):
         s = s * g[:, :, i, None, None].exp()
         k_i = k[:, :, i]                                                  # [B, H, Dk]
@@ -73,7 +76,11 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state=None, *, use_qk_l2norm=Fa
         delta = (v[:, :, i] - pred) * beta[:, :, i, None]
         s = s + k_i.unsqueeze(-1) * delta.unsqueeze(-2)
         outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, :, i]))
+        if all_states:
+            states.append(s)
     out = torch.stack(outs, dim=2) if outs else v.new_zeros(b, h, 0, v.shape[-1])
+    if all_states:
+        return out.transpose(1, 2).to(out_dtype), s, torch.stack(states, dim=1)
     return out.transpose(1, 2).to(out_dtype), s
 
 

@@ -5,8 +5,10 @@ Built once per step (beside the attention metadata) from the ForwardBatch; each 
 reads its states from the pool, runs, and writes them back:
 - every request with a single row this step (a plain decode row, a one-token chunk) in one
   batched recurrent step, states gathered from and scattered to their slots;
-- a request with several rows, in order: decode rows of one request (grammar fast-forward)
-  token by token, as separate decode steps would; a prefill chunk in the chunked form.
+- a request with several rows, in order: decode rows of one request (grammar fast-forward,
+  speculative drafts) token by token, as separate decode steps would; a prefill chunk in the
+  chunked form. With drafts, the state after each row is kept for the rollback of rejected
+  ones (linear_state_pool.py).
 A request's first forward (no prefix) starts from zero state, never from its slot's content.
 """
 from __future__ import annotations
@@ -27,6 +29,11 @@ class StateSegment:
     slot: int        # state-pool slot (the request's req_pool_idx)
     fresh: bool      # the request's first forward: start from zero state
     recurrent: bool  # decode rows (token by token) rather than a prefill chunk
+    first_len: int = 0  # the sequence length after the first row
+    keep_rows: bool = False  # speculative drafts: keep the state after each row (rollback)
+    # Prefill with the radix cache: (offset, checkpoint slot) - keep the state after the first
+    # ``offset`` rows in that slot (mem_cache/state_checkpoints.py).
+    marks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -41,14 +48,16 @@ class LinearStateBatch:
 def _segments(fb: ForwardBatch, offset: int) -> list[StateSegment]:
     decode = fb.mode is ForwardMode.DECODE
     slots = fb.req_pool_indices.tolist()
+    marks = fb.state_marks or [()] * len(slots)
     out: list[StateSegment] = []
     start = offset
-    for slot, n, prefix in zip(slots, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu):
+    for slot, n, prefix, mark in zip(slots, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu, marks):
         if decode and out and out[-1].slot == slot:  # another row of the same request
             last = out[-1]
-            out[-1] = StateSegment(last.start, last.length + n, slot, last.fresh, True)
+            out[-1] = StateSegment(last.start, last.length + n, slot, last.fresh, True, last.first_len,
+                                   fb.keep_row_states)
         else:
-            out.append(StateSegment(start, n, slot, prefix == 0, decode))
+            out.append(StateSegment(start, n, slot, prefix == 0, decode, prefix + 1, marks=mark))
         start += n
     return out
 
@@ -59,6 +68,10 @@ def build_state_batch(fb: ForwardBatch, pool: LinearStatePool) -> LinearStateBat
         segs += _segments(fb.extend_part, fb.decode_part.input_ids.shape[0])
     else:
         segs = _segments(fb, 0)
+    pool.begin_step()
+    for seg in segs:
+        if seg.keep_rows:
+            pool.keep_rows(seg.slot, seg.first_len, seg.length)
     single = [s for s in segs if s.length == 1]
     batch = LinearStateBatch(pool, tuple(s for s in segs if s.length > 1))
     if single:
@@ -89,8 +102,27 @@ def run_linear_attention(gdn, x: torch.Tensor, batch: LinearStateBatch, layer: i
         end = seg.start + seg.length
         conv = None if seg.fresh else conv_l[seg.slot]
         rec = None if seg.fresh else rec_l[seg.slot]
-        y, c, s = gdn(x[seg.start:end], conv, rec, recurrent=seg.recurrent)
+        if seg.keep_rows:
+            y, c, s, conv_rows, rec_rows = gdn(x[seg.start:end], conv, rec, recurrent=True, all_states=True)
+            kept = pool.row_states[seg.slot]
+            kept.conv[layer], kept.recurrent[layer] = conv_rows, rec_rows
+        elif seg.marks:
+            y, c, s = _run_with_checkpoints(gdn, x[seg.start:end], conv, rec, seg.marks, conv_l, rec_l)
+        else:
+            y, c, s = gdn(x[seg.start:end], conv, rec, recurrent=seg.recurrent)
         out[seg.start:end] = y
         conv_l[seg.slot] = c
         rec_l[seg.slot] = s
     return out
+
+
+def _run_with_checkpoints(gdn, x, conv, rec, marks, conv_l, rec_l):
+    """A prefill chunk in pieces cut at the marks, the state after each cut stored in its slot."""
+    ys, start = [], 0
+    for cut, slot in (*marks, (x.shape[0], None)):
+        y, conv, rec = gdn(x[start:cut], conv, rec)
+        ys.append(y)
+        if slot is not None:
+            conv_l[slot], rec_l[slot] = conv, rec
+        start = cut
+    return torch.cat(ys), conv, rec

@@ -208,3 +208,49 @@ def test_radix_cache_hits_resume_from_state_checkpoints_exactly(tiny_hybrid_dir,
     assert all(g["cached_tokens"] >= shared - 2 for g in got[2:])  # the branch point's checkpoint
     assert s.kv.tree.digest() == s.kv.tree.digest()  # stable; the checkpoints are hashed with the tree
     assert s.kv.states.checkpoints.available() < s.kv.states.checkpoints.capacity
+
+
+@pytest.mark.parametrize("pool", ["states", "kv"])
+def test_checkpoint_and_kv_eviction_keep_answers_exact(tiny_hybrid_dir, smollm2_tokenizer, alone, pool,
+                                                      monkeypatch):
+    """Few checkpoint slots (states: their own LRU budget) or a small KV pool (kv: evicted
+    KV takes its checkpoints with it; requests are retracted and resume from their own
+    checkpoints): the answers stay the reference's, and nothing leaks."""
+    tok = smollm2_tokenizer
+    kw = dict(max_mamba_cache_size=6) if pool == "states" else dict(max_total_tokens=260)
+    if pool == "kv":
+        monkeypatch.setenv("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "1")  # admit optimistically
+    s = make_scheduler(tiny_hybrid_dir, tok, max_running_requests=4, **{"max_total_tokens": 4096, **kw})
+    for rnd in range(2):
+        assert _batch(s, tok, f"e{rnd}-") == alone
+    tree, ckpt = s.kv.tree, s.kv.states.checkpoints
+    if pool == "states":
+        assert ckpt.capacity == 2 and len(tree.state_nodes()) <= 2
+    else:
+        assert tree.evicted_tokens > 0
+    assert len(tree.state_nodes()) + ckpt.available() == ckpt.capacity
+
+
+@pytest.mark.timeout(400)
+def test_tp2_gives_the_reference_tokens_with_identical_batch_logs(tiny_hybrid_dir, smollm2_tokenizer, alone,
+                                                                   tmp_path, monkeypatch):
+    """Real processes, gloo: the GDN layers split by key-head groups over 2 ranks (each rank
+    its own share of every state), JSON schema and n = 2 among the requests; the ranks'
+    batch logs (batches, radix digests with their checkpoints, agreements) are identical."""
+    from srt.entrypoints.engine import Engine
+    from test_grammar_agreement_ranks import _identical_batch_logs
+
+    logs = tmp_path / "batches"
+    monkeypatch.setenv("GRAMSYNC_BATCH_LOG_DIR", str(logs))
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    with Engine(model_path=tiny_hybrid_dir, dtype="float32", max_total_tokens=2048, max_running_requests=8,
+                random_seed=0, tp_size=2) as engine:
+        prompts = _prompts(smollm2_tokenizer)
+        assert [o["output_ids"] for o in engine.generate(prompts, params)] == alone
+        two = engine.generate(prompts[2], {**params, "n": 2})
+        assert [o["output_ids"] for o in two] == [alone[2]] * 2
+        doc = engine.generate("A person as JSON:", {"temperature": 0, "max_new_tokens": 80,
+                                                    "json_schema": json.dumps(SCHEMA)})
+        jsonschema.validate(json.loads(doc["text"]), SCHEMA)
+    batches = _identical_batch_logs(logs)
+    assert len(batches) > 3

@@ -24,8 +24,9 @@ def make_scheduler(model_dir: str, dtype: str, max_running: int, **server_kwargs
     from srt.model_executor.model_config import ModelConfig
     from srt.server_args import ServerArgs
 
+    server_kwargs.setdefault("max_total_tokens", max_running * 512)
     args = ServerArgs(model_path=model_dir, random_seed=0, dtype=dtype, max_running_requests=max_running,
-                      max_total_tokens=max_running * 512, wait_for_torch_compile=True, **server_kwargs)
+                      wait_for_torch_compile=True, **server_kwargs)
     tok = AutoTokenizer.from_pretrained(model_dir)
     return Scheduler(args, RankInfo(), SINGLE_RANK, ModelConfig.from_path(model_dir, None), tok)
 

@@ -254,3 +254,20 @@ def test_tp2_gives_the_reference_tokens_with_identical_batch_logs(tiny_hybrid_di
         jsonschema.validate(json.loads(doc["text"]), SCHEMA)
     batches = _identical_batch_logs(logs)
     assert len(batches) > 3
+
+
+def test_a_burst_sharing_a_system_prompt_checkpoints_where_it_parts(tiny_hybrid_dir, smollm2_tokenizer):
+    """Three requests with one system prompt prefilled together (an empty cache, no hit for
+    them): each checkpoints where it parts from the others, so the fourth hits the shared part."""
+    tok = smollm2_tokenizer
+    s = make_scheduler(tiny_hybrid_dir, tok, max_total_tokens=4096, max_running_requests=8)
+    ref = make_scheduler(tiny_hybrid_dir, tok, max_total_tokens=4096, max_running_requests=8,
+                         disable_radix_cache=True)
+    system = " ".join(f"Policy {i}: keep every reply under {i + 3} words." for i in range(8))
+    qs = [req(tok, f"b{i}", f"{system} Now: {w}?", **GREEDY) for i, w in enumerate(("why", "how", "when", "who"))]
+    burst = run_until_done(s, {0: qs[:3]})
+    late = run_until_done(s, {0: qs[3:]})["b3"]
+    want = run_until_done(ref, {0: qs})
+    assert [burst[f"b{i}"]["ids"] for i in range(3)] + [late["ids"]] == [want[f"b{i}"]["ids"] for i in range(4)]
+    assert all(burst[f"b{i}"]["cached_tokens"] == 0 for i in range(3))
+    assert late["cached_tokens"] >= len(tok(system)["input_ids"]) - 2

@@ -29,6 +29,20 @@ class HybridStateCache:
         req.state_marks = sorted({m for m in (kv_match, total - 1) if depth < m < total})
         return slots[:depth], node
 
+    @staticmethod
+    def mark_shared_prefixes(reqs: list[Req]) -> None:
+        """Requests prefilled together that share a prefix (a system prompt reaching the cache
+        in a burst): each also checkpoints where it parts from the others, so the next request
+        with that prefix hits it. Neighbours in sorted order have the longest common prefixes."""
+        if len(reqs) < 2:
+            return
+        order = sorted(reqs, key=lambda r: r.fill_ids)
+        for a, b in zip(order, order[1:]):
+            n = _common_prefix_len(a.fill_ids, b.fill_ids)
+            for r in (a, b):
+                if r.kv_committed_len < n < len(r.fill_ids) and n not in r.state_marks:
+                    r.state_marks = sorted(r.state_marks + [n])
+
     def admit(self, req: Req) -> None:
         """A new row with a cached prefix: its slot starts from the prefix's checkpoint."""
         self.checkpoints.copy(req.req_pool_idx, req.last_node.state)
@@ -78,3 +92,15 @@ class HybridStateCache:
             return (f"state checkpoints: {held} in the tree + {self.checkpoints.available()} free "
                     f"of {self.checkpoints.capacity}")
         return None
+
+
+def _common_prefix_len(a, b) -> int:
+    """Binary search on slice equality: O(n log n) element compares, all in C."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

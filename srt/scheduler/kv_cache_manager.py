@@ -86,6 +86,8 @@ class KVCacheManager:
     def prepare_extend(self, reqs: list[Req]) -> ForwardBatch:
         """Prefill ``fill_ids`` beyond each request's cached prefix. Caller checked capacity."""
         ids, positions, prefix_lens, extend_lens, marks = [], [], [], [], []
+        if self.states is not None:
+            self.states.mark_shared_prefixes(reqs)
         for r in reqs:
             if r.req_pool_idx is None:
                 r.req_pool_idx = self.req_to_token_pool.alloc()

@@ -139,6 +139,11 @@ GRAMSYNC_COMPILE_CACHE = EnvVar(
     "at nice 19 while serving eagerly (docs/speed.md 'Restarts'). 0: compile "
     "in a thread of the rank at every start.",
 )
+GRAMSYNC_FLA_KERNELS = EnvVar(
+    "GRAMSYNC_FLA_KERNELS", bool, True,
+    "On CUDA with fla-core installed, run the hybrid models' gated delta rule with FLA's Triton kernels "
+    "(the torch path otherwise, and always for the per-row states speculation keeps). 0: the torch path.",
+)
 GRAMSYNC_AOTI_DECODE = EnvVar(
     "GRAMSYNC_AOTI_DECODE", bool, True,
     "On CPU at TP=1 (plain or int4 weights), build the compiled decode graphs as AOTInductor packages (loaded in about "
@@ -201,6 +206,7 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     GRAMSYNC_SPEC_MAX_ROWS,
     GRAMSYNC_COMPILE_CACHE,
     GRAMSYNC_AOTI_DECODE,
+    GRAMSYNC_FLA_KERNELS,
     GRAMSYNC_COMPILE_CACHE_DIR,
     GRAMSYNC_CPU_PACKED_LINEAR,
     GRAMSYNC_CPU_GEMV,

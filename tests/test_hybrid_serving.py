@@ -123,7 +123,6 @@ def test_json_schema_with_fast_forward_is_valid_and_batch_independent(
 
 
 @pytest.mark.parametrize("kw, what", [
-    ({"pp_size": 2}, "--pp-size 2"),
     ({"torchao_config": "int8wo"}, "--torchao-config int8wo"),
     ({"enable_torch_compile": True}, "--enable-torch-compile"),
 ])
@@ -232,11 +231,17 @@ def test_checkpoint_and_kv_eviction_keep_answers_exact(tiny_hybrid_dir, smollm2_
 
 
 @pytest.mark.timeout(400)
-def test_tp2_gives_the_reference_tokens_with_identical_batch_logs(tiny_hybrid_dir, smollm2_tokenizer, alone,
-                                                                   tmp_path, monkeypatch):
-    """Real processes, gloo: the GDN layers split by key-head groups over 2 ranks (each rank
-    its own share of every state), JSON schema and n = 2 among the requests; the ranks'
-    batch logs (batches, radix digests with their checkpoints, agreements) are identical."""
+@pytest.mark.parametrize("parallel, ranks", [
+    ({"tp_size": 2, "speculative_algorithm": "NGRAM"}, ("DP0_TP0", "DP0_TP1")),
+    ({"pp_size": 2, "chunked_prefill_size": 32}, ("DP0_PP0_TP0", "DP0_PP1_TP0")),
+])
+def test_tp2_and_pp2_give_the_reference_tokens_with_identical_batch_logs(
+        tiny_hybrid_dir, smollm2_tokenizer, alone, tmp_path, monkeypatch, parallel, ranks):
+    """Real processes, gloo. TP=2 with NGRAM speculation: the GDN layers split by key-head
+    groups (each rank its own share of every state), rejected drafts rolled back alike; PP=2: each stage owns its layers' states (stage 1 holds the
+    attention layer and one GDN layer), micro-batches continuing each other's slots, chunks cut
+    inside prompts. JSON schema and n = 2 among the requests; the ranks' batch logs (batches,
+    radix digests with their checkpoints, agreements) are identical."""
     from srt.entrypoints.engine import Engine
     from test_grammar_agreement_ranks import _identical_batch_logs
 
@@ -244,7 +249,7 @@ def test_tp2_gives_the_reference_tokens_with_identical_batch_logs(tiny_hybrid_di
     monkeypatch.setenv("GRAMSYNC_BATCH_LOG_DIR", str(logs))
     params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     with Engine(model_path=tiny_hybrid_dir, dtype="float32", max_total_tokens=2048, max_running_requests=8,
-                random_seed=0, tp_size=2) as engine:
+                random_seed=0, **parallel) as engine:
         prompts = _prompts(smollm2_tokenizer)
         assert [o["output_ids"] for o in engine.generate(prompts, params)] == alone
         two = engine.generate(prompts[2], {**params, "n": 2})
@@ -252,7 +257,7 @@ def test_tp2_gives_the_reference_tokens_with_identical_batch_logs(tiny_hybrid_di
         doc = engine.generate("A person as JSON:", {"temperature": 0, "max_new_tokens": 80,
                                                     "json_schema": json.dumps(SCHEMA)})
         jsonschema.validate(json.loads(doc["text"]), SCHEMA)
-    batches = _identical_batch_logs(logs)
+    batches = _identical_batch_logs(logs, ranks=ranks)
     assert len(batches) > 3
 
 

@@ -78,9 +78,12 @@ class LinearStatePool:
 
 def state_pool_for(model, num_slots: int, device) -> LinearStatePool | None:
     """The pool a hybrid model's GDN layers need (``model.linear_layers()``); None for a
-    model without them, or a pipeline stage that holds none."""
-    layers = model.linear_layers() if getattr(model, "is_hybrid", False) else []
-    if not layers:
+    model without them. A pipeline stage of a hybrid that holds none gets an empty pool (no
+    layers), so its slot and checkpoint bookkeeping stays the other stages'."""
+    if not getattr(model, "is_hybrid", False):
         return None
+    layers = model.linear_layers()
+    if not layers:
+        return LinearStatePool(0, num_slots, (1,), (1,), torch.float32, device)
     conv_shape, rec_shape = layers[0].state_shapes()
     return LinearStatePool(len(layers), num_slots, conv_shape, rec_shape, layers[0].conv1d.weight.dtype, device)

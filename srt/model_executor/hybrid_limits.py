@@ -8,7 +8,7 @@ is refused with a clear message or switched off (and said so), never served appr
   the prompt-logprob cache, which would need a state at every scored position, is off;
 - torch.compile / AOTInductor / CUDA graphs: off, the step runs eagerly (the compiled steps
   are traced without the state pool);
-- refused: --pp-size > 1, --torchao-config, --enable-torch-compile.
+- refused: --torchao-config, --enable-torch-compile.
 
 Speculative decoding is served: a step with drafts keeps each row's state and rejected drafts
 are rolled back (mem_cache/linear_state_pool.py).
@@ -35,8 +35,6 @@ def hybrid_serving_args(args: ServerArgs, cfg: ModelConfig, log_prefix: str = ""
     """``(args as served, what was switched off)``; ValueError for a refused combination."""
     if not getattr(model_class(cfg.architecture), "is_hybrid", False):
         return args, ()
-    if args.pp_size > 1:
-        raise _refuse(cfg, f"--pp-size {args.pp_size}", "stages owning their layers' states")
     if args.torchao_config:
         raise _refuse(cfg, f"--torchao-config {args.torchao_config}", "quantized GDN projections")
     if args.enable_torch_compile:

@@ -105,7 +105,7 @@ class ModelRunner:
         self.cuda_graph_runner = self._capture_cuda_graphs() if self._want_cuda_graph() else None
         self.pipeline_forward = None if pipeline is None else PipelineForward(
             self.model, pipeline, self.attn_backend, self.dtype, self.device,
-            server_args.pp_max_micro_batch_size)
+            server_args.pp_max_micro_batch_size, self.state_pool)
 
     def _start_compiling(self, builder_folder: Optional[str]) -> None:
         """Compile the decode step (and, on CPU, the prefill) from the rank's compile cache:

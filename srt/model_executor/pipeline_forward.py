@@ -25,6 +25,7 @@ import torch
 from distributed.pipeline import PipelineGroup, recv_activation, send_activation
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention.layer import prepare_attention
+from srt.layers.linear_attention.state_batch import build_state_batch
 from srt.models.causal_lm import CausalLM, logit_row_index
 from srt.models.decoder_stack import StageLayers
 
@@ -82,10 +83,16 @@ def _token_range(fb: ForwardBatch, t0: int, t1: int) -> ForwardBatch:
             lens.append(n_prefix + b - start)
         start += n_new
     idx = torch.tensor(seqs, dtype=torch.int64, device=fb.seq_lens.device)
-    return ForwardBatch(
+    part = ForwardBatch(
         fb.mode, fb.input_ids[t0:t1], fb.positions[t0:t1], fb.out_cache_loc[t0:t1],
         fb.req_pool_indices[idx], torch.tensor(lens, dtype=fb.seq_lens.dtype, device=fb.seq_lens.device),
         lens, new, prefix, fb.req_to_token_pool, fb.token_to_kv_pool)
+    if fb.state_marks is not None:  # hybrid checkpoints: offsets into each sequence's part
+        part.state_marks = [tuple((off - (p - fb.extend_prefix_lens_cpu[i]), slot)
+                                  for off, slot in fb.state_marks[i]
+                                  if 0 < off - (p - fb.extend_prefix_lens_cpu[i]) <= n)
+                            for i, p, n in zip(seqs, prefix, new)]
+    return part
 
 
 @dataclass
@@ -105,8 +112,9 @@ class PipelineForward:
     """This stage's part of every forward (``ModelRunner.forward`` at --pp-size > 1)."""
 
     def __init__(self, model: CausalLM, pp: PipelineGroup, attn_backend, dtype: torch.dtype,
-                 device, max_micro_batch_size: Optional[int]):
+                 device, max_micro_batch_size: Optional[int], state_pool=None):
         self.model, self.pp, self.attn_backend = model, pp, attn_backend
+        self.state_pool = state_pool  # hybrid models: this stage's GDN layers' states
         self.dtype, self.device = dtype, device
         self.hidden_size = model.config.hidden_size
         self.max_micro_batch_size = max_micro_batch_size
@@ -116,8 +124,10 @@ class PipelineForward:
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
         pp, decoder = self.pp, self.model.model
         parts = split_forward_batch(fb, micro_batch_count(fb, pp.size, self.max_micro_batch_size))
-        for part in parts:
+        for i, part in enumerate(parts):
             prepare_attention(self.attn_backend, part)
+            if self.state_pool is not None:  # micro-batches run in order: each continues the slot
+                part.linear_state = build_state_batch(part, self.state_pool, new_step=i == 0)
         finals, sends = [], []
         times, clock = self.times, time.perf_counter
         for part in parts:

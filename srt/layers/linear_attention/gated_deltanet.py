@@ -28,6 +28,7 @@ from srt.layers.linear_attention.gated_delta_rule import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
+from srt.layers.linear_attention.fla_kernels import fla_gated_delta_rule, use_fla
 from srt.layers.linear_attention.gated_rms_norm import GatedRMSNorm
 
 
@@ -126,7 +127,9 @@ class GatedDeltaNet(nn.Module):
         # In fp32: exp(A_log) can overflow fp16, and g feeds an exponential decay over the sequence.
         g = (-self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)).reshape(b, t, -1)
 
-        if recurrent:
+        if use_fla(x) and not all_states:  # CUDA: FLA's kernels (fla_kernels.py)
+            o, s = fla_gated_delta_rule(q, k, v, g, beta, recurrent_state, recurrent)
+        elif recurrent:
             rec_out = recurrent_gated_delta_rule(q, k, v, g, beta, recurrent_state, use_qk_l2norm=True,
                                                  all_states=all_states)
             o, s = rec_out[:2]

@@ -62,18 +62,21 @@ def _segments(fb: ForwardBatch, offset: int) -> list[StateSegment]:
     return out
 
 
-def build_state_batch(fb: ForwardBatch, pool: LinearStatePool) -> LinearStateBatch:
+def build_state_batch(fb: ForwardBatch, pool: LinearStatePool, new_step: bool = True) -> LinearStateBatch:
+    """``new_step``: the step's first batch (a pipeline stage's later micro-batches pass False,
+    so the step's kept row states stay)."""
     if fb.mode is ForwardMode.MIXED:
         segs = _segments(fb.decode_part, 0)
         segs += _segments(fb.extend_part, fb.decode_part.input_ids.shape[0])
     else:
         segs = _segments(fb, 0)
-    pool.begin_step()
+    if new_step:
+        pool.begin_step()
     for seg in segs:
         if seg.keep_rows:
             pool.keep_rows(seg.slot, seg.first_len, seg.length)
-    single = [s for s in segs if s.length == 1]
-    batch = LinearStateBatch(pool, tuple(s for s in segs if s.length > 1))
+    single = [s for s in segs if s.length == 1 and not s.marks]
+    batch = LinearStateBatch(pool, tuple(s for s in segs if s.length > 1 or s.marks))
     if single:
         dev = pool.conv.device
         batch.single_rows = torch.tensor([s.start for s in single], dtype=torch.int64, device=dev)
@@ -117,11 +120,13 @@ def run_linear_attention(gdn, x: torch.Tensor, batch: LinearStateBatch, layer: i
 
 
 def _run_with_checkpoints(gdn, x, conv, rec, marks, conv_l, rec_l):
-    """A prefill chunk in pieces cut at the marks, the state after each cut stored in its slot."""
+    """A prefill chunk in pieces cut at the marks (an offset may be the chunk's end: a pipeline
+    micro-batch cut there), the state after each cut stored in its slot."""
     ys, start = [], 0
     for cut, slot in (*marks, (x.shape[0], None)):
-        y, conv, rec = gdn(x[start:cut], conv, rec)
-        ys.append(y)
+        if cut > start:
+            y, conv, rec = gdn(x[start:cut], conv, rec)
+            ys.append(y)
         if slot is not None:
             conv_l[slot], rec_l[slot] = conv, rec
         start = cut

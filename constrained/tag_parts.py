@@ -14,7 +14,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
+from constrained.arg_styles import decode_document
+from constrained.pythonic_args import kwargs_grammar
 from constrained.schema_coverage import STRICT_KEY
+
+ARG_STYLES = ("json", "qwen_xml", "pythonic")
 
 NAME_KEY = "x-gramsync-name"
 _WS = re.compile(r"[ \t\n\r]*")
@@ -29,6 +33,7 @@ class TagPart:
     schema: Any  # without our keywords
     strict: bool
     max_whitespace: Optional[int] = None  # the json_schema format's max_whitespace_cnt
+    style: str = "json"  # how the arguments are written: constrained/arg_styles.py
 
     @property
     def must_be_exact(self) -> bool:
@@ -62,6 +67,13 @@ def _walk(fmt: Any, found: list, begin: Optional[str] = None, ends: tuple[str, .
     elif kind == "tag":
         content = fmt.get("content")
         begin = fmt.get("begin") if isinstance(fmt.get("begin"), str) else None
+        elements = content.get("elements") if isinstance(content, dict) and content.get("type") == "sequence" else None
+        if (isinstance(elements, list) and len(elements) > 1 and isinstance(elements[0], dict)
+                and elements[0].get("type") == "json_schema" and isinstance(elements[1], dict)
+                and elements[1].get("type") == "const_string"):  # begin, a part, its end, more
+            found.append((elements[0], "json_schema", begin, _ends(elements[1].get("value"))))
+            _walk(elements[1:], found)
+            return
         _walk(content, found, begin if isinstance(content, dict) else None, _ends(fmt.get("end")))
     else:
         for key in ("elements", "tags", "content"):
@@ -87,8 +99,10 @@ def tag_parts(tag: dict) -> list[TagPart]:
     for i, (holder, key, begin, ends) in enumerate(_holders(tag)):
         schema, strict, name = _clean(holder.get(key) if key == "schema" else holder.get("json_schema"))
         ws = holder.get("max_whitespace_cnt") if key == "json_schema" else None
+        style = holder.get("style", "json") if key == "json_schema" else "json"
         parts.append(TagPart(i, name or f"tag {i}", begin, ends, schema, strict,
-                             ws if isinstance(ws, int) and not isinstance(ws, bool) else None))
+                             ws if isinstance(ws, int) and not isinstance(ws, bool) else None,
+                             style if style in ARG_STYLES else "json"))
     return parts
 
 
@@ -98,6 +112,9 @@ def map_parts(tag: dict, fn: Callable[[TagPart], Any]) -> dict:
     copy = json.loads(json.dumps(tag))
     for part, (holder, key, _, _) in zip(tag_parts(tag), _holders(copy)):
         holder["schema" if key == "schema" else "json_schema"] = fn(part)
+        if part.style == "pythonic":  # no library has this style: our grammar of it
+            holder.clear()
+            holder.update({"type": "grammar", "grammar": kwargs_grammar(part.schema)})
     return copy
 
 
@@ -105,7 +122,6 @@ def find_documents(text: str, parts: list[TagPart]) -> Iterator[tuple[TagPart, s
     """Each completed part in ``text``: its begin, a whole JSON value, then one of its ends.
     Scans left to right; a value cut short (max_tokens) is not a document."""
     located = [p for p in parts if p.begin]
-    decoder = json.JSONDecoder()
     pos = 0
     while located:
         hits = [(text.find(p.begin, pos), -len(p.begin), p) for p in located]
@@ -113,13 +129,13 @@ def find_documents(text: str, parts: list[TagPart]) -> Iterator[tuple[TagPart, s
         if not hits:
             return
         at, neg_len, part = min(hits, key=lambda h: (h[0], h[1]))
-        start = _WS.match(text, at - neg_len).end()
-        try:
-            _, stop = decoder.raw_decode(text, start)
-        except (ValueError, RecursionError):
+        start = _WS.match(text, at - neg_len).end() if part.style == "json" else at - neg_len
+        found = decode_document(part.style, text, start, part.name, part.schema, part.ends)
+        if found is None:
             pos = at + 1
             continue
+        document, stop = found
         end_at = stop if any(text.startswith(e, stop) for e in part.ends) else _WS.match(text, stop).end()
         if not part.ends or any(text.startswith(e, end_at) for e in part.ends):
-            yield part, text[start:stop]
+            yield part, document
         pos = stop

@@ -48,8 +48,33 @@ class StrictPartError(StrictSchemaError):
                          f"it, but {who}: {listed}. Put it inside a tag (begin, content, end).",)
 
 
+# Pythonic keyword arguments have no library grammar: ours (constrained/pythonic_args.py)
+# follows the properties and their types only, so such a part is never exact.
+PYTHONIC_GAP = "all but the arguments' names and types (pythonic arguments) at #"
+
+
+_STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
+
+
+def _qwen_xml_gaps(schema) -> list[str]:
+    """xgrammar's qwen_xml style writes strings raw, newlines around them optional and
+    counted or not: a string's length, pattern and format are not enforced on the value
+    the parser reads back (measured: minLength 3 accepts "\na\n")."""
+    gaps = []
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    for key, prop in (props or {}).items():
+        kinds = prop.get("type") if isinstance(prop, dict) else None
+        if kinds == "string" or (isinstance(kinds, list) and "string" in kinds):
+            gaps += [f"{k} at #/properties/{key} (qwen_xml raw string)" for k in _STRING_KEYWORDS if k in prop]
+    return gaps
+
+
 def xgrammar_reading(parts: list[TagPart]) -> Reading:
-    return [(xgrammar_gaps(p.schema), False) for p in parts]
+    def gaps(p: TagPart) -> list[str]:
+        if p.style == "pythonic":
+            return [PYTHONIC_GAP]
+        return xgrammar_gaps(p.schema) + (_qwen_xml_gaps(p.schema) if p.style == "qwen_xml" else [])
+    return [(gaps(p), False) for p in parts]
 
 
 def guidance_reading(parts: list[TagPart], opts: JsonOptions) -> Reading:
@@ -82,11 +107,16 @@ def _total(reading: Reading) -> int:
 def plan_tag(parts: list[TagPart], backend: str, opts: JsonOptions) -> TagPlan:
     """The plan for ``backend`` ("xgrammar", "llguidance" or "auto"). StrictPartError when a
     part that must be exact cannot be; ValueError when llguidance refuses a part outright."""
-    if backend == "xgrammar":
+    styled = sorted({p.style for p in parts} - {"json"})
+    if styled and backend == "llguidance":
+        raise ValueError(f"structural_tag parts in the {styled[0]} style need the xgrammar grammar backend "
+                         "(llguidance has no grammar for them)")
+    if backend == "xgrammar" or (styled and backend == "auto"):
         reading = xgrammar_reading(parts)
         blocker = _blocker(parts, reading)
         if blocker is not None:
-            raise StrictPartError(blocker, reading[blocker.index][0], "the xgrammar grammar backend does not enforce")
+            raise StrictPartError(blocker, reading[blocker.index][0], "no grammar library enforces" if styled and backend == "auto"
+                                  else "the xgrammar grammar backend does not enforce")
         return _plan("xgrammar", parts, reading)
     if backend == "llguidance":
         reading = guidance_reading(parts, opts)

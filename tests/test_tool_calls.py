@@ -263,7 +263,7 @@ def test_tools_with_another_constraint_is_an_error_naming_both():
 def test_parser_names_and_defaults():
     assert get_format(None) is HERMES and get_format("qwen25") is HERMES and get_format("hermes") is HERMES
     with pytest.raises(ValueError, match="Unknown tool call parser"):
-        get_format("llama3")
+        get_format("llama4_json")
     assert resolve(TOOLS, None, None).mode == "auto" and resolve(None, None, None).mode == "none"
     req = resolve(TOOLS, {"type": "function", "function": {"name": "ping"}}, False)
     assert req.mode == "named" and [t.name for t in req.tools] == ["ping"] and not req.parallel

@@ -1,20 +1,30 @@
 """The grammar of a request's tool calls, as a structural tag in xgrammar's ``format``
-style (the llguidance backend translates it, constrained/structural_tag_lark.py).
+style (the llguidance backend translates the JSON-argument ones, constrained/structural_tag_lark.py).
 
 - named: exactly one call of that function;
-- required: one call, or several joined by the format's separator when
-  ``parallel_tool_calls`` is not false; nothing else, then EOS;
-- auto: free text until the trigger, then a call; after it, text again (or the end, when
-  ``parallel_tool_calls`` is false).
+- required: one call, or several (joined by the format's separator, inside its wrapper)
+  when ``parallel_tool_calls`` is not false; nothing else, then EOS;
+- auto: free text until the trigger, then the calls; after them, text again (or the end,
+  when ``parallel_tool_calls`` is false).
+
+``auto`` and named use xgrammar's built-in structural tag for the family where it has one
+(``ToolCallFormat.builtin``: Hermes, Qwen3-Coder, Llama 3, DeepSeek V3 / V3.1). ``required``
+is always built here: the built-ins' ``required`` is a triggered tag that lets free text
+sit between and after the calls, and ours promises calls and nothing else. Mistral and the
+pythonic list have no built-in in xgrammar 0.2.9. tests/test_tool_formats.py checks that
+our per-call tags are the built-ins' strings exactly.
 
 Each call's arguments follow the function's parameters schema: exactly where a grammar
 library enforces every keyword (``function.strict`` demands it), else as closely as one
 can, and the frontend validates each completed call against the full schema
-(srt/frontend/document_check.py). The part carries the function's name for messages.
+(srt/frontend/document_check.py). The part carries the function's name for messages and
+its ``style`` (json, qwen_xml, pythonic: constrained/tag_parts.py).
 """
 from __future__ import annotations
 
 from typing import Optional
+
+import xgrammar as xgr
 
 from constrained.schema_coverage import with_strict
 from constrained.tag_parts import NAME_KEY
@@ -22,12 +32,47 @@ from srt.function_call.formats import ToolCallFormat
 from srt.function_call.tools import ToolRequest, ToolSpec
 
 
-def _call_tag(fmt: ToolCallFormat, tool: ToolSpec, max_whitespace: Optional[int]) -> dict:
-    schema = {**tool.parameters, NAME_KEY: tool.name}
-    content = {"type": "json_schema", "json_schema": with_strict(schema, tool.strict)}
+def _schema(tool: ToolSpec) -> dict:
+    return with_strict({**tool.parameters, NAME_KEY: tool.name}, tool.strict)
+
+
+def _args(fmt: ToolCallFormat, tool: ToolSpec, max_whitespace: Optional[int]) -> dict:
+    content = {"type": "json_schema", "json_schema": _schema(tool)}
+    if fmt.args_style != "json":
+        content["style"] = fmt.args_style
     if max_whitespace:  # --constrained-json-max-whitespace: a weak model cannot loop on spaces
         content["max_whitespace_cnt"] = max_whitespace
-    return {"type": "tag", "begin": fmt.begin + tool.name + fmt.args_begin, "content": content, "end": fmt.end}
+    return content
+
+
+def _call(fmt: ToolCallFormat, tool: ToolSpec, ws: Optional[int], head: str = "", tail: str = "") -> dict:
+    return {"type": "tag", "begin": head + fmt.call_begin + tool.name + fmt.args_begin,
+            "content": _args(fmt, tool, ws), "end": fmt.call_end + tail}
+
+
+def _builtin(fmt: ToolCallFormat, req: ToolRequest, ws: Optional[int]) -> dict:
+    tools = [{"type": "function", "function": {"name": t.name, "parameters": _schema(t)}} for t in req.tools]
+    choice = {"type": "function", "function": {"name": req.tools[0].name}} if req.mode == "named" else "auto"
+    tag = xgr.get_model_structural_tag(
+        fmt.builtin, tools=tools, tool_choice=choice, reasoning="disabled",  # thinking: ReasonerGrammarBackend
+        exclude_special_tokens=False, max_whitespace_cnt=ws, parallel_tool_calls=req.parallel)
+    return tag.model_dump(exclude_none=True)
+
+
+def _pythonic_auto(fmt: ToolCallFormat, req: ToolRequest, ws: Optional[int]) -> dict:
+    """Triggered by ``[NAME(`` per tool, not by ``[`` alone (which prose writes all the time):
+    the first call's tag holds the rest of the list."""
+    others = {"type": "or", "elements": [_call(fmt, t, ws) for t in req.tools]}
+    more = {"type": "star", "content": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": fmt.separator}, others]}}
+    tags = []
+    for t in req.tools:
+        rest = [{"type": "const_string", "value": fmt.call_end}] + ([more] if req.parallel else [])
+        tags.append({"type": "tag", "begin": fmt.calls_begin + t.name + fmt.args_begin,
+                     "content": {"type": "sequence", "elements": [_args(fmt, t, ws), *rest]},
+                     "end": fmt.calls_end})
+    return {"type": "triggered_tags", "triggers": [tag["begin"] for tag in tags], "tags": tags,
+            "stop_after_first": not req.parallel}
 
 
 def tool_call_structural_tag(req: ToolRequest, fmt: ToolCallFormat,
@@ -35,13 +80,22 @@ def tool_call_structural_tag(req: ToolRequest, fmt: ToolCallFormat,
     """The ``structural_tag`` constraint for ``req``, or None when it calls no tools."""
     if not req.active:
         return None
-    tags = [_call_tag(fmt, t, max_whitespace) for t in req.tools]
+    ws = max_whitespace
+    if fmt.builtin and req.mode in ("auto", "named"):
+        return _builtin(fmt, req, ws)
     if req.mode == "named":
-        body = tags[0]
-    elif req.mode == "required":
-        body = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
-                "at_least_one": True, "stop_after_first": not req.parallel}
+        body = _call(fmt, req.tools[0], ws, fmt.calls_begin, fmt.calls_end)
+    elif fmt.args_style == "pythonic" and req.mode == "auto":
+        body = _pythonic_auto(fmt, req, ws)
     else:
-        body = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags,
-                "stop_after_first": not req.parallel}
+        calls = {"type": "tags_with_separator", "tags": [_call(fmt, t, ws) for t in req.tools],
+                 "separator": fmt.separator, "at_least_one": True, "stop_after_first": not req.parallel}
+        if fmt.wrapped:
+            calls = {"type": "tag", "begin": fmt.calls_begin, "content": calls, "end": fmt.calls_end}
+        if req.mode == "auto":
+            calls = calls if fmt.wrapped else {**calls, "at_least_one": False}
+            body = {"type": "triggered_tags", "triggers": [fmt.trigger],
+                    "tags": [calls] if fmt.wrapped else calls["tags"], "stop_after_first": not req.parallel}
+        else:
+            body = calls
     return {"type": "structural_tag", "format": body}

@@ -10,9 +10,17 @@ tags (consecutive results share one turn). docs/tools.md documents both.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import string
+
 from constrained.json_input import load_json_text
+from constrained.pythonic_args import render_calls as render_pythonic
+from constrained.qwen_xml_args import render_parameters
 from srt.function_call.formats import ToolCallFormat
 from srt.function_call.tools import ToolCallError, ToolRequest
+
+_ALNUM = string.ascii_letters + string.digits
 
 
 def template_supports_tools(tokenizer) -> bool:
@@ -25,6 +33,8 @@ def prepare_messages(messages: list[dict], req: ToolRequest, fmt: ToolCallFormat
     """(messages for the template, extra template kwargs) for one request."""
     msgs = [_with_parsed_calls(m, i) for i, m in enumerate(messages)]
     if native:
+        if fmt.call_id_style == "mistral9":
+            msgs = [_mistral_ids(m) for m in msgs]
         return msgs, ({"tools": list(req.shown)} if req.shown else {})
     out: list[dict] = []
     results_turn = None  # the user turn holding the latest run of tool results
@@ -40,8 +50,8 @@ def prepare_messages(messages: list[dict], req: ToolRequest, fmt: ToolCallFormat
         m = dict(m)
         calls = m.pop("tool_calls", None) or []
         if calls:
-            texts = [fmt.render_call(c["function"]["name"], c["function"]["arguments"]) for c in calls]
-            m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + texts)
+            text = render_calls(fmt, [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+            m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + [text])
         out.append(m)
     if req.shown:
         section = fmt.render_tools(list(req.shown))
@@ -77,3 +87,33 @@ def _with_parsed_calls(m: dict, i: int) -> dict:
             raise ToolCallError(f"{where}[{j}].function.arguments must be a JSON object", "messages")
         parsed.append({**call, "type": "function", "function": {**fn, "arguments": args}})
     return {**m, "tool_calls": parsed}
+
+
+def render_calls(fmt: ToolCallFormat, calls: list[tuple[str, dict]]) -> str:
+    """One assistant turn's calls as the format writes them (the grammar's literals)."""
+    if fmt.args_style == "pythonic":
+        return render_pythonic(calls)
+    def one(name: str, args: dict) -> str:
+        if fmt.args_style == "qwen_xml":  # the last </parameter>'s newline is the call end's
+            text = render_parameters(args, json_literals=True).removesuffix("\n")
+        else:
+            text = json.dumps(args, ensure_ascii=False)
+        return f"{fmt.call_begin}{name}{fmt.args_begin}{text}{fmt.call_end}"
+    return fmt.calls_begin + fmt.separator.join(one(n, a) for n, a in calls) + fmt.calls_end
+
+
+def mistral_call_id(call_id: str) -> str:
+    """Mistral's templates raise unless an id is 9 alphanumerics: other ids (OpenAI's
+    ``call_...``) map to 9 derived from them, the same for a call and its result."""
+    if len(call_id) == 9 and call_id.isalnum() and call_id.isascii():
+        return call_id
+    digest = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    return "".join(_ALNUM[(digest // 62 ** i) % 62] for i in range(9))
+
+
+def _mistral_ids(m: dict) -> dict:
+    if m.get("tool_calls"):
+        m = {**m, "tool_calls": [{**c, "id": mistral_call_id(str(c.get("id") or ""))} for c in m["tool_calls"]]}
+    if m.get("role") == "tool" and m.get("tool_call_id") is not None:
+        m = {**m, "tool_call_id": mistral_call_id(str(m["tool_call_id"]))}
+    return m

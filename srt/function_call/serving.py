@@ -12,7 +12,8 @@ from constrained.grammar_config import JsonOptions
 from constrained.tag_parts import tag_parts
 from constrained.tag_plan import StrictPartError, plan_tag
 from sampling.sampling_params import CONSTRAINT_FIELDS
-from srt.function_call.formats import ToolCallFormat, get_format
+from srt.function_call.format_choice import format_for
+from srt.function_call.formats import ToolCallFormat
 from srt.function_call.grammar import tool_call_structural_tag
 from srt.function_call.parser import Delta, ToolCallParser
 from srt.function_call.prompt import prepare_messages, template_supports_tools
@@ -35,14 +36,21 @@ class ToolCalling:
         """(this request's tool calling, messages for the template, template kwargs).
         ``check_size(prompt_chars(...))`` runs before the grammar is built, so a prompt that
         cannot fit costs no schema analysis."""
-        fmt = get_format(getattr(server_args, "tool_call_parser", None))
+        fmt = format_for(server_args, tokenizer)
         req = resolve(body.tools, body.tool_choice, body.parallel_tool_calls)
+        if req.active and fmt.args_style != "json" and getattr(server_args, "grammar_backend", None) == "llguidance":
+            raise ToolCallError(f"the {fmt.name} tool-call format writes {fmt.args_style} arguments, which only "
+                                "the xgrammar grammar backend can constrain: this server runs --grammar-backend "
+                                "llguidance (use auto or xgrammar)", "tool_choice")
         msgs, kwargs = prepare_messages(messages, req, fmt, template_supports_tools(tokenizer))
         if check_size is not None:
             check_size(cls.prompt_chars(msgs, kwargs))
         max_ws = getattr(server_args, "constrained_json_max_whitespace", 0) or None
         constraint = tool_call_structural_tag(req, fmt, max_ws)
-        return cls(req, fmt, constraint, _held_tools(req, constraint, server_args)), msgs, kwargs
+        held = _held_tools(req, constraint, server_args)
+        if fmt.args_style != "json":  # rebuilt as JSON only once whole: a call streams in one piece
+            held = frozenset(t.name for t in req.tools)
+        return cls(req, fmt, constraint, held), msgs, kwargs
 
     @staticmethod
     def prompt_chars(messages: list[dict], template_kwargs: dict) -> int:
@@ -78,7 +86,7 @@ class ToolCalling:
             return {"content": text}, reason
         if reason == "schema_violation":  # a call broke its tool's schema: none is returned as a call
             return {"content": text}, reason
-        parser = ToolCallParser(self.fmt)
+        parser = ToolCallParser(self.fmt, self.schemas)
         parser.feed(text)
         parser.finish()
         calls = parser.complete_calls
@@ -94,7 +102,12 @@ class ToolCalling:
         if not self.req.active:
             return ToolCallStream(None)
         held = {t.name: json.dumps(t.parameters) for t in self.req.tools if t.name in self.held} if validate else {}
-        return ToolCallStream(ToolCallParser(self.fmt), held, validate)
+        return ToolCallStream(ToolCallParser(self.fmt, self.schemas), held, validate)
+
+    @property
+    def schemas(self) -> dict[str, dict]:
+        """Each tool's parameters: arguments not written as JSON are rebuilt by their types."""
+        return {t.name: t.parameters for t in self.req.tools}
 
 
 class ToolCallStream:

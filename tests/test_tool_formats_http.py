@@ -1,0 +1,126 @@
+"""Every --tool-call-parser format end to end through the official ``openai`` client: a real
+server per format (the suite's tiny random-weight model with SmolLM2's tokenizer, whose
+template has no tools, so the prompt teaches the format as text; greedy). The grammar makes
+a random model's calls valid, which is what is checked: required with n = 2, stream vs
+non-stream giving the same calls, named, parallel_tool_calls false, history sent back in the
+format, strict 400s; and TP=2 for one format of each argument style."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from conftest import _launch_server
+from srt.function_call.formats import TOOL_CALL_PARSERS
+
+PARAMS = {"type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {
+    "city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    "note": {"type": "string", "maxLength": 8}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}
+PING = {"type": "function", "function": {"name": "ping", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 5}}, "required": ["n"]}}}
+ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+BASE = {"model": "smollm2", "temperature": 0, "max_tokens": 120, "tools": [WEATHER, PING]}
+SCHEMAS = {"get_weather": PARAMS, "ping": PING["function"]["parameters"]}
+FORMATS = sorted(set(f.name for f in TOOL_CALL_PARSERS.values()))
+TP2_FORMATS = ["qwen3_coder", "mistral", "pythonic"]  # one per argument style / wrapper shape
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=120, max_retries=0)
+
+
+def _valid(call) -> tuple[str, dict]:
+    assert call.type == "function" and call.function.name in SCHEMAS
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    return call.function.name, args
+
+
+def _streamed(client, **kwargs) -> tuple[str, list, str]:
+    content, calls, reason = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        choice = chunk.choices[0]
+        reason = choice.finish_reason or reason
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            if d.index not in calls:
+                assert d.id and d.type == "function" and d.function.name
+                calls[d.index] = [d.function.name, d.function.arguments or ""]
+            else:
+                assert d.id is None and d.function.name is None
+                calls[d.index][1] += d.function.arguments or ""
+    return content, [(n, json.loads(a)) for n, a in calls.values()], reason
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def format_server(request, tmp_path_factory, tiny_dir):
+    for base in _launch_server(tmp_path_factory, tiny_dir, ["--tool-call-parser", request.param,
+                                                             "--dtype", "float32"]):
+        yield request.param, base
+
+
+@pytest.mark.timeout(300)
+def test_every_format_required_named_parallel_stream_and_history(format_server):
+    name, base = format_server
+    client = _client(base)
+    one = {**BASE, "tool_choice": "required", "parallel_tool_calls": False}
+    reply = client.chat.completions.create(messages=ASK, n=2, **one)
+    assert len(reply.choices) == 2
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, (name, choice)
+        _valid(choice.message.tool_calls[0])
+        if name in ("mistral", "mistral_v11"):  # the ids its templates require
+            assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)
+    whole = [_valid(c) for c in reply.choices[0].message.tool_calls]
+    content, streamed, reason = _streamed(client, messages=ASK, **one)
+    assert reason == "tool_calls" and streamed == whole and not content.strip(), (name, content)
+
+    named = client.chat.completions.create(messages=ASK, **{**one, "tool_choice": {
+        "type": "function", "function": {"name": "ping"}}})
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["ping"]
+    _valid(named.choices[0].message.tool_calls[0])
+    many = client.chat.completions.create(messages=ASK, tool_choice="required", **BASE)
+    choice = many.choices[0]  # a random model may call until max_tokens: every whole call counts
+    assert choice.finish_reason in ("tool_calls", "length") and choice.message.tool_calls
+    assert all(_valid(c) for c in choice.message.tool_calls)
+
+    calls = reply.choices[0].message.tool_calls
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]}]
+    history += [{"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in calls]
+    again = client.chat.completions.create(messages=history, **one)
+    assert all(_valid(c) for c in again.choices[0].message.tool_calls)
+
+
+@pytest.mark.timeout(120)
+def test_strict_pythonic_tool_is_a_400_before_any_byte(format_server):
+    name, base = format_server
+    if name != "pythonic":
+        pytest.skip("strict is served exactly by the JSON and XML formats (test_tool_formats.py)")
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="pythonic"):
+            r = _client(base).chat.completions.create(messages=ASK, **{**BASE, "tools": [strict]},
+                                                      tool_choice="required", stream=stream)
+            list(r) if stream else None
+
+
+@pytest.fixture(scope="module", params=TP2_FORMATS)
+def tp2_format_server(request, tmp_path_factory, tiny_dir):
+    for base in _launch_server(tmp_path_factory, tiny_dir, ["--tool-call-parser", request.param,
+                                                             "--tp-size", "2", "--dtype", "float32"]):
+        yield request.param, base
+
+
+@pytest.mark.timeout(300)
+def test_tp2_calls_validate_and_stream_the_same(tp2_format_server):
+    name, base = tp2_format_server
+    client = _client(base)
+    one = {**BASE, "tool_choice": "required", "parallel_tool_calls": False}
+    reply = client.chat.completions.create(messages=ASK, n=2, **one)
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, (name, choice)
+    whole = [_valid(c) for c in reply.choices[0].message.tool_calls]
+    assert _streamed(client, messages=ASK, **one)[1:] == (whole, "tool_calls")

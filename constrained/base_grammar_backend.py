@@ -67,8 +67,9 @@ class BaseGrammarObject:
         """The grammar accepted a stop token (or can accept nothing more)."""
         raise NotImplementedError
 
-    def maybe_init_reasoning(self, reasoning: bool) -> None:
-        """Thinking models: only ReasonerGrammarObject cares."""
+    def maybe_init_reasoning(self, reasoning: bool, budget: Optional[int] = None) -> None:
+        """Thinking models (``budget``: the request's thinking_budget): only
+        ReasonerGrammarObject cares."""
 
     def needs_vocab_mask(self) -> bool:
         return not self.finished and not self.is_terminated()

@@ -8,7 +8,13 @@ from typing import Any, Optional
 
 # Here, not beside their users (grammar_manager, reasoner_grammar_backend): the frontend
 # uses them too and does not import torch.
-THINK_END_TOKENS = {"qwen3": "</think>", "deepseek-r1": "</think>"}  # --reasoning-parser's
+# --reasoning-parser's think end; qwen3.5 = qwen3-thinking (SGLang's name for the same form:
+# the template opens <think> in the prompt). srt/frontend/reasoning_parser.py has the rest.
+THINK_END_TOKENS = {"qwen3": "</think>", "deepseek-r1": "</think>", "qwen3.5": "</think>",
+                    "qwen3-thinking": "</think>"}
+# thinking_budget without a constraint: a pass-through grammar (free_grammar.py) under this
+# key, so the budget rides the grammar path (TP agreement, speculation, n > 1 copies).
+FREE_GRAMMAR_KEY = ("free", "")
 DISABLED_MESSAGE = ("Constrained generation is disabled on this server (--grammar-backend none); "
                     "remove the {kind} constraint or restart the server with a grammar backend.")
 

@@ -21,7 +21,7 @@ import torch
 
 from constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, InvalidGrammarObject, fresh_copy
 from constrained.schema_coverage import GrammarReport
-from constrained.grammar_config import DISABLED_MESSAGE
+from constrained.grammar_config import DISABLED_MESSAGE, FREE_GRAMMAR_KEY
 from constrained.grammar_metrics import GrammarMetrics
 from distributed.grammar_agreement import agree_on_grammar_status
 from distributed.parallel_state import TPGroup
@@ -57,7 +57,7 @@ class GrammarManager:
         """Attach the grammar of a constrained request. True: a cache miss, the request now
         waits in ``grammar_queue``. False: it can be scheduled (hit) or it was finished with
         an error (``req.finished``)."""
-        key = req.sampling_params.constraint
+        key = req.sampling_params.grammar_key
         req.grammar_key = key
         if self.backend is None:
             self.metrics.count("aborted")
@@ -131,10 +131,11 @@ class GrammarManager:
             self.metrics.count("aborted")
             self.abort_request(req, value.message)
             return
-        value.maybe_init_reasoning(req.require_reasoning)
+        value.maybe_init_reasoning(req.require_reasoning, req.sampling_params.thinking_budget)
         req.grammar = value
-        req.grammar_report = GrammarReport(value.stats.dispatch_type.split(" ", 1)[0],
-                                           not value.stats.gaps, value.stats.gaps)
+        if req.grammar_key != FREE_GRAMMAR_KEY:  # a thinking_budget alone constrains no document
+            req.grammar_report = GrammarReport(value.stats.dispatch_type.split(" ", 1)[0],
+                                               not value.stats.gaps, value.stats.gaps)
         logger.debug("%s %s grammar ready: %s", self.log_prefix, req.rid, value.stats)
 
     def _fail(self, req, message: str) -> None:

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
+from constrained.grammar_config import FREE_GRAMMAR_KEY
 from constrained.json_input import load_json_text, lone_surrogate_path
 from constrained.schema_coverage import with_strict
 from constrained.schema_refs import check_no_external_refs
@@ -55,6 +56,9 @@ class SamplingParams:
     # --enable-custom-logit-processor) and the JSON parameters it receives for this request.
     custom_logit_processor: Optional[str] = None
     custom_params: Optional[dict] = None
+    # Thinking models (--reasoning-parser): most tokens the request may think before the
+    # think end is forced (docs/reasoning.md); enforced by its grammar.
+    thinking_budget: Optional[int] = None
 
     @classmethod
     def from_dict(cls, d: Optional[Mapping[str, Any]]) -> "SamplingParams":
@@ -120,6 +124,10 @@ class SamplingParams:
         given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"Only one constraint kind per request is allowed, got {' and '.join(given)}.")
+        if self.thinking_budget is not None and (not _is_int(self.thinking_budget) or self.thinking_budget < 0
+                                                 or self.thinking_budget >= 2**63):
+            raise ValueError("thinking_budget must be a non-negative integer (tokens of thinking before "
+                             f"the think end is forced; 0 forces it at once), got {self.thinking_budget!r}.")
         if self.custom_params is not None and self.custom_logit_processor is None:
             raise ValueError("custom_params needs a custom_logit_processor.")
         if vocab_size is not None:
@@ -145,6 +153,15 @@ class SamplingParams:
             if value is not None:
                 return name, json.dumps(list(value), ensure_ascii=False) if name == "choice" else value
         return None
+
+    @property
+    def grammar_key(self) -> Optional[tuple[str, str]]:
+        """The grammar the scheduler attaches: the constraint's, or for a thinking_budget
+        alone the pass-through one (constrained/free_grammar.py)."""
+        key = self.constraint
+        if key is None and self.thinking_budget is not None:
+            return FREE_GRAMMAR_KEY
+        return key
 
     @property
     def max_stop_str_len(self) -> int:

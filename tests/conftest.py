@@ -84,6 +84,16 @@ def tiny_hybrid_dir(smollm2_dir) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_think_dir(smollm2_dir) -> str:
+    """The tiny model's thinking twin: <think> / </think> single tokens and a Qwen3.5-style
+    template that opens the think block (tests/tiny_model.py ``THINK_TEMPLATE``)."""
+    from srt import environ
+    from tiny_model import tiny_model_dir
+
+    return tiny_model_dir(smollm2_dir, environ.GRAMSYNC_CACHE_DIR.get(), "llama_think")
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 

@@ -36,7 +36,7 @@ class Regexes(BaseGrammarBackend):
 
 
 def _req(rid: str, key):
-    return SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(constraint=key), require_reasoning=False,
+    return SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(constraint=key, grammar_key=key, thinking_budget=None), require_reasoning=False,
                            grammar=None, finished_reason=None)
 
 

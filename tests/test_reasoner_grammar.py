@@ -98,3 +98,67 @@ def test_think_end_token_is_found_in_a_hf_tokenizer(smollm2_tokenizer):
     # SmolLM2 has no </think> token: the server refuses --reasoning-parser with a reason.
     with pytest.raises(ValueError, match="no single </think> token"):
         think_end_token_id(smollm2_tokenizer, "qwen3")
+
+
+def _think(grammar, enc, text: str) -> int:
+    ids = enc.encode(text)
+    for tok in ids:
+        grammar.accept_token(tok)
+    return len(ids)
+
+
+@pytest.mark.parametrize("budget", [0, 3])
+def test_thinking_budget_allows_only_the_think_end_after_n_tokens(backend, qwen, budget):
+    enc, think_end = qwen._tokenizer, backend.think_end_id
+    grammar = backend.init_value(("regex", "[0-9]+")).copy()
+    grammar.maybe_init_reasoning(True, budget)
+    for tok in enc.encode("one two three four five")[:budget]:
+        assert not grammar.needs_vocab_mask()  # free until the budget is spent
+        grammar.accept_token(tok)
+    assert grammar.needs_vocab_mask() and allowed(grammar) == {think_end}
+    with pytest.raises(ValueError, match="thinking_budget"):
+        grammar.accept_token(enc.encode("six")[0])
+    assert grammar.fast_forward(4)[0] == think_end  # forced, then whatever the regex forces
+    assert not grammar.is_in_reasoning and enc.encode("7")[0] in allowed(grammar)
+
+
+def test_rollback_is_exact_across_the_think_end(backend, qwen):
+    enc, think_end = qwen._tokenizer, backend.think_end_id
+    grammar = backend.init_value(("regex", "[0-9]+")).copy()
+    grammar.maybe_init_reasoning(True, 5)
+    thought = _think(grammar, enc, "a b c")
+    grammar.accept_token(think_end)
+    digits = _think(grammar, enc, "42")
+    assert (grammar.thought, grammar.after) == (thought, digits)
+    after_answer = allowed(grammar)
+    grammar.rollback(digits + 1)  # the answer, then back into reasoning
+    assert grammar.is_in_reasoning and grammar.thought == thought and not grammar.needs_vocab_mask()
+    grammar.rollback(1)
+    assert grammar.thought == thought - 1
+    _think(grammar, enc, " c")  # the same again: the same state
+    grammar.accept_token(think_end)
+    _think(grammar, enc, "42")
+    assert allowed(grammar) == after_answer
+    grammar.rollback(digits)  # only the grammar's tokens: still past the think end
+    assert not grammar.is_in_reasoning and grammar.ended
+    with pytest.raises(ValueError, match="rollback past"):
+        grammar.rollback(thought + 2)
+
+
+def test_thinking_budget_alone_runs_the_pass_through_grammar(backend, qwen):
+    from constrained.grammar_config import FREE_GRAMMAR_KEY
+
+    enc, think_end = qwen._tokenizer, backend.think_end_id
+    pristine = backend.init_value(FREE_GRAMMAR_KEY)
+    grammar = pristine.copy()
+    grammar.maybe_init_reasoning(True, 2)
+    _think(grammar, enc, "ab cd")
+    assert allowed(grammar) == {think_end}
+    grammar.accept_token(think_end)
+    assert not grammar.needs_vocab_mask() and not grammar.is_terminated()
+    for tok in enc.encode("anything at all"):
+        grammar.accept_token(tok)
+    assert not grammar.is_terminated() and grammar.fast_forward(8) == []
+    plain = pristine.copy()
+    plain.maybe_init_reasoning(False, 2)  # thinking switched off: nothing to enforce
+    assert not plain.needs_vocab_mask() and len(allowed(plain)) == PADDED_VOCAB

@@ -16,7 +16,7 @@ import xgrammar as xgr
 from constrained.base_grammar_backend import InvalidGrammarObject
 from constrained.grammar_config import GrammarBackendConfig, JsonOptions
 from constrained.llguidance_backend import GuidanceBackend
-from constrained.tag_parts import tag_parts
+from constrained.tag_parts import NAME_KEY, tag_parts
 from constrained.tag_plan import plan_tag
 from constrained.xgrammar_backend import XGrammarGrammarBackend
 from sampling.sampling_params import SamplingParams
@@ -259,11 +259,31 @@ def _call_tags(fmt_tree) -> list[tuple[str, str]]:
     return sorted(found)
 
 
+def _normal(node):
+    """A tag tree without the defaults xgrammar's dump spells out."""
+    if isinstance(node, list):
+        return [_normal(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    defaults = {"excludes": [], "any_order": False, "style": "json", "at_least_one": False, "stop_after_first": False}
+    return {k: _normal(v) for k, v in node.items() if not (k in defaults and v == defaults[k])}
+
+
 @pytest.mark.parametrize("name", [n for n in FORMATS if fmt_of(n).builtin])
-def test_our_call_tags_are_xgrammars_builtin_ones(name):
+def test_auto_and_named_tags_are_xgrammars_builtin_ones(name):
+    """``auto`` and named: the whole tag is the built-in's; ``required``: the same per-call tags."""
     fmt = fmt_of(name)
-    ours = tool_call_structural_tag(resolve(TOOLS, "required", None), fmt)
     tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
-    theirs = xgr.get_model_structural_tag(fmt.builtin, tools=tools, tool_choice="required",
-                                          reasoning="disabled").model_dump(exclude_none=True)
-    assert _call_tags(ours) == _call_tags(theirs)
+    named = {"type": "function", "function": {"name": "add_note"}}
+    for choice, parallel in [("auto", True), ("auto", False), (named, True), ("required", True)]:
+        ours = tool_call_structural_tag(resolve(TOOLS, choice, parallel), fmt)
+        req = resolve(TOOLS, choice, parallel)
+        theirs = xgr.get_model_structural_tag(
+            fmt.builtin, tools=[{"type": "function", "function": {"name": t.name, "parameters": {
+                **t.parameters, NAME_KEY: t.name}}} for t in req.tools], tool_choice=choice, reasoning="disabled",
+            exclude_special_tokens=False, parallel_tool_calls=parallel).model_dump(exclude_none=True)
+        if choice == "required":
+            assert _call_tags(ours) == _call_tags(theirs), name
+        else:
+            assert _normal(ours) == _normal(theirs), (name, choice, parallel)
+    assert tools

@@ -35,6 +35,15 @@ HYBRID_CONFIG = dict({k: v for k, v in CONFIG.items() if k != "rope_theta"},
                                       "partial_rotary_factor": 0.25},
                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                      linear_value_head_dim=32, linear_conv_kernel_dim=4)
+# The thinking twin (tiny_think_dir): the Llama with SmolLM2's tokenizer plus <think> and
+# </think> as single (non-special, as in Qwen's) tokens and a Qwen3.5-style chat template:
+# the generation prompt opens <think>; enable_thinking false writes the empty block instead.
+THINK_TOKENS = ("<think>", "</think>")
+THINK_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message.role + '\\n' + message.content + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{ '<think>\\n' }}{%- endif %}{%- endif %}")
 INIT_STD = 0.08
 SEED = 0
 # Not generation_config.json: save_pretrained writes the tiny model's own.
@@ -44,11 +53,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def _recipe_key(vocab_size: int, family: str) -> str:
     import transformers
 
-    config = {"llama": CONFIG, "qwen3_moe": MOE_CONFIG, "qwen3_5": HYBRID_CONFIG}[family]
+    config = {"llama": CONFIG, "qwen3_moe": MOE_CONFIG, "qwen3_5": HYBRID_CONFIG, "llama_think": CONFIG}[family]
     recipe = {"config": config, "vocab": vocab_size, "std": INIT_STD, "seed": SEED,
               "transformers": transformers.__version__}
     if family != "llama":  # the Llama recipe's key stays what it was
         recipe["family"] = family
+    if family == "llama_think":
+        recipe["think"] = [THINK_TOKENS, THINK_TEMPLATE]
     recipe = json.dumps(recipe, sort_keys=True)
     return hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
@@ -56,7 +67,7 @@ def _recipe_key(vocab_size: int, family: str) -> str:
 def tiny_model_dir(smollm2_dir: str, cache_root: str, family: str = "llama") -> str:
     """The tiny model's directory (built once, then reused; safe against a concurrent build).
     ``family``: ``llama``, ``qwen3_moe`` for the mixture-of-experts twin, ``qwen3_5`` for the
-    hybrid Gated DeltaNet twin."""
+    hybrid Gated DeltaNet twin, ``llama_think`` for the thinking twin (THINK_TOKENS)."""
     with open(os.path.join(smollm2_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     target = os.path.join(cache_root, "tiny", _recipe_key(vocab, family))
@@ -76,7 +87,8 @@ def _build(smollm2_dir: str, vocab: int, out: str, family: str) -> None:
     import torch
     import transformers as tf
 
-    if family == "llama":
+    if family in ("llama", "llama_think"):
+        vocab += len(THINK_TOKENS) if family == "llama_think" else 0
         config, cls = tf.LlamaConfig(vocab_size=vocab, initializer_range=INIT_STD, **CONFIG), tf.LlamaForCausalLM
     elif family == "qwen3_moe":
         config = tf.Qwen3MoeConfig(vocab_size=vocab, initializer_range=INIT_STD, **MOE_CONFIG)
@@ -95,6 +107,12 @@ def _build(smollm2_dir: str, vocab: int, out: str, family: str) -> None:
                 p.normal_(0.0, INIT_STD)
     os.makedirs(out)
     model.save_pretrained(out, safe_serialization=True)
+    if family == "llama_think":
+        tok = tf.AutoTokenizer.from_pretrained(smollm2_dir)
+        tok.add_tokens(list(THINK_TOKENS), special_tokens=False)
+        tok.chat_template = THINK_TEMPLATE
+        tok.save_pretrained(out)
+        return
     for name in TOKENIZER_FILES:
         src = os.path.join(smollm2_dir, name)
         if os.path.exists(src):

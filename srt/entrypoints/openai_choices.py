@@ -43,6 +43,12 @@ class ChoiceStream:
     tools: Any  # its tool-call stream parser
     sent: str = ""
     logprobs_sent: int = 0
+    reasoning: Any = None  # its ReasoningParser (srt/frontend/reasoning_parser.py)
+
+    def deltas(self, split, thought: str, answer: str) -> list[dict]:
+        """DeltaMessage fields for new text: the thinking first, then the answer's content
+        and tool-call deltas (the tool-call parser sees the answer only)."""
+        return split.delta(thought) + (list(self.tools.deltas(answer)) if answer else [])
 
 
 def _finish(fr: Optional[dict]) -> tuple[Optional[str], Any]:

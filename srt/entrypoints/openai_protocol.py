@@ -27,7 +27,7 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from constrained.schema_coverage import with_strict
 from sampling.sampling_params import MAX_TOP_LOGPROBS
@@ -35,6 +35,7 @@ from srt.entrypoints.vllm_dialect import VllmDialectFields, constraint_sources, 
 from srt.function_call.tools import check_tool_choice, check_tools
 from srt.entrypoints.openai_responses import ErrorDetail, ErrorResponse
 from srt.frontend.generate_input import GenerateReqInput
+from srt.frontend.reasoning_parser import request_reasons
 
 # field -> predicate telling that its value is neutral (behaves as if absent).
 _NEUTRAL = {
@@ -172,6 +173,10 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # e.g. {"enable_thinking": false}
+    # --reasoning-parser (docs/reasoning.md): the thinking in reasoning_content (SGLang's
+    # switch; false: left in content), and a cap on its tokens (vLLM's / SGLang's name).
+    separate_reasoning: bool = True
+    thinking_budget: Optional[StrictInt] = Field(default=None, ge=0)
     # SGLang / vLLM: the reply continues the last (assistant) message instead of starting a
     # new one; add_generation_prompt (vLLM) says whether a new one is opened.
     continue_final_message: bool = False
@@ -232,15 +237,16 @@ class ChatCompletionRequest(_SamplingRequest):
         return {"add_generation_prompt": self.add_generation_prompt is not False}
 
     def requires_reasoning(self, reasoning_parser: Optional[str]) -> bool:
-        """Does the model think before answering (so the constraint starts later)?
-        deepseek-r1 always does; qwen3 unless ``chat_template_kwargs.enable_thinking`` is
-        false (then its template closes the think block in the prompt)."""
-        if reasoning_parser is None:
-            return False
-        return reasoning_parser == "deepseek-r1" or (self.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        """Does the model think before answering (so the constraint starts later)? See
+        reasoning_parser.request_reasons: deepseek-r1 always; the others unless
+        ``chat_template_kwargs.enable_thinking`` is false."""
+        return request_reasons(reasoning_parser, self.chat_template_kwargs)
 
     def sampling_params(self) -> dict:
-        return self.to_sampling_params(self._max_tokens())
+        d = self.to_sampling_params(self._max_tokens())
+        if self.thinking_budget is not None:
+            d["thinking_budget"] = self.thinking_budget
+        return d
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

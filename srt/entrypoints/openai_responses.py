@@ -29,6 +29,8 @@ class UsageInfo(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    # --reasoning-parser: the thinking (SGLang's and vLLM's field); absent without any.
+    reasoning_content: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: Optional[list[ToolCall]] = Field(default=None, exclude_if=lambda v: v is None)
 
 
@@ -76,6 +78,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
     content: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
+    reasoning_content: Optional[str] = Field(default=None, exclude_if=lambda v: v is None)
     tool_calls: Optional[list[DeltaToolCall]] = Field(default=None, exclude_if=lambda v: v is None)
 
 

@@ -22,6 +22,7 @@ from srt.entrypoints.openai_responses import (
 )
 from srt.function_call.serving import ToolCalling
 from srt.frontend.generate_input import check_fits_context
+from srt.frontend.reasoning_parser import ReasoningSplit
 from srt.frontend.tokenizer_manager import OFFLOOP_CHARS, TokenizerManager
 from srt.tokenizer_utils import apply_chat_template
 
@@ -64,8 +65,12 @@ class OpenAIServing:
         except ValueError as e:
             return error_response(str(e), param=getattr(e, "param", None))
         model = body.model or self.served_model_name
+        # The thinking goes to reasoning_content; tool calls are parsed from the answer only.
+        split = ReasoningSplit.of(self.tm.server_args.reasoning_parser, req.require_reasoning,
+                                  body.separate_reasoning)
         if body.stream:
-            return StreamingResponse(self._chat_stream(req, model, body.include_usage, tools, bool(body.logprobs)),
+            return StreamingResponse(self._chat_stream(req, model, body.include_usage, tools, bool(body.logprobs),
+                                                       split),
                                      media_type="text/event-stream")
         outs, err = await self._final_output(request, req)
         if err is not None:
@@ -74,7 +79,9 @@ class OpenAIServing:
         for i, out in enumerate(outs):
             meta = out["meta_info"]
             reason, matched = _finish(meta["finish_reason"])
-            message, reason = tools.message(out["text"], reason)
+            reasoning, answer = split.split(out["text"])
+            message, reason = tools.message(answer, reason)
+            message = split.message(reasoning, message)
             logprobs = chat_logprobs(meta, out["output_ids"], self.token_texts) if body.logprobs else None
             choices.append(ChatCompletionChoice(index=i, message=ChatMessageOut(**message), logprobs=logprobs,
                                                 finish_reason=reason, matched_stop=matched,
@@ -97,8 +104,8 @@ class OpenAIServing:
         obj.require_reasoning = body.requires_reasoning(self.tm.server_args.reasoning_parser)
         return obj, tools
 
-    async def _chat_stream(self, req, model: str, include_usage: bool, tools, want_logprobs: bool
-                           ) -> AsyncIterator[str]:
+    async def _chat_stream(self, req, model: str, include_usage: bool, tools, want_logprobs: bool,
+                           split: ReasoningSplit) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(delta: DeltaMessage, reason=None, matched=None, index: int = 0, logprobs=None,
@@ -112,13 +119,13 @@ class OpenAIServing:
 
         for i in range(req.sampling_params.n):
             yield chunk(DeltaMessage(role="assistant", content=""), index=i)
-        events = self._chat_events(req, chunk, created, model, include_usage, tools, want_logprobs)
+        events = self._chat_events(req, chunk, created, model, include_usage, tools, want_logprobs, split)
         async for event in errors_as_events(events):
             yield event
         yield SSE_DONE
 
     async def _chat_events(self, req, chunk, created: int, model: str, include_usage: bool, tools,
-                           want_logprobs: bool):
+                           want_logprobs: bool, split: ReasoningSplit):
         n = req.sampling_params.n
         validators = self.tm.documents.validators
 
@@ -128,7 +135,7 @@ class OpenAIServing:
             except ValueError:  # a schema the validator cannot build: never "valid"
                 return False
 
-        streams = [ChoiceStream(tools.stream(valid)) for _ in range(n)]  # one parser per choice
+        streams = [ChoiceStream(tools.stream(valid), reasoning=split.parser()) for _ in range(n)]  # per choice
         finals: dict[int, dict] = {}
         async for i, out in choice_outputs(self.tm, req):
             if isinstance(out, str):  # aborted: the error event ends the stream
@@ -142,7 +149,7 @@ class OpenAIServing:
                 logprobs = logprobs if logprobs.content else None
             deltas = []
             if len(out["text"]) > len(st.sent):
-                deltas = list(st.tools.deltas(out["text"][len(st.sent):]))  # content and tool-call deltas
+                deltas = st.deltas(split, *st.reasoning.feed(out["text"][len(st.sent):]))
                 st.sent = out["text"]
             if logprobs is not None and not deltas:
                 deltas = [{"content": ""}]  # logprobs of tokens whose text is held back
@@ -151,6 +158,8 @@ class OpenAIServing:
             if fr is not None:
                 finals[i] = out
                 reason, matched = _finish(fr)
+                for delta in st.deltas(split, *st.reasoning.finish()):  # what the parser held back
+                    yield chunk(DeltaMessage(**delta), index=i)
                 last_deltas, reason = st.tools.finish(reason)
                 for delta in last_deltas:
                     yield chunk(DeltaMessage(**delta), index=i)

@@ -74,7 +74,8 @@ class GenerateReqInput:
 def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
                     enable_custom_logit_processor: bool = False,
                     grammar_backend: str = "xgrammar",
-                    max_token_chars: Optional[int] = None) -> TokenizedGenerateReq:
+                    max_token_chars: Optional[int] = None,
+                    reasoning_parser: Optional[str] = None) -> TokenizedGenerateReq:
     """Validate and tokenize; every user error is a ValueError raised here, before
     anything reaches the scheduler. ``enable_custom_logit_processor`` and
     ``grammar_backend`` are server flags (frontend policies, passed here rather than
@@ -89,6 +90,7 @@ def prepare_request(obj: GenerateReqInput, tokenizer, info: SchedulerInfo, *,
     params.verify(info.vocab_size)
     _check_server_policies(params, info.vocab_size, enable_custom_logit_processor,
                            grammar_backend)
+    check_thinking_budget(params.thinking_budget, reasoning_parser, grammar_backend)
     input_ids = _prompt_token_ids(obj, tokenizer, info, max_token_chars)
     n = len(input_ids)
     _check_prompt_fits(n, info)
@@ -109,6 +111,20 @@ def _merged_sampling_params(obj: GenerateReqInput) -> dict:
                              "sampling_params) with different values.")
         sp["custom_logit_processor"] = obj.custom_logit_processor
     return sp
+
+
+def check_thinking_budget(budget: Optional[int], reasoning_parser: Optional[str],
+                          grammar_backend: str) -> None:
+    """A thinking_budget needs a thinking model's format and the grammar machinery that
+    enforces it (docs/reasoning.md): never ignored silently."""
+    if budget is None:
+        return
+    if not reasoning_parser:
+        raise ValueError("thinking_budget needs a server started with --reasoning-parser (the "
+                         "format that says where thinking ends); this one has none.")
+    if grammar_backend == "none":
+        raise ValueError("thinking_budget is enforced by the grammar machinery, which this server "
+                         "runs without (--grammar-backend none).")
 
 
 def _check_server_policies(params: SamplingParams, vocab: int,

@@ -111,7 +111,8 @@ class TokenizerManager:
         req = prepare_request(obj, self.tokenizer, self.scheduler_info,
                               enable_custom_logit_processor=self.server_args.enable_custom_logit_processor,
                               grammar_backend=self.server_args.grammar_backend,
-                              max_token_chars=self.max_token_chars)
+                              max_token_chars=self.max_token_chars,
+                              reasoning_parser=getattr(self.server_args, "reasoning_parser", None))
         try:  # what the wire cannot carry (an integer past 64 bits, ...) is the user's error
             SCHEDULER_INPUT_CODEC.encode(req)
         except OverflowError:

@@ -42,8 +42,10 @@ def detect_tool_call_parser(chat_template: Optional[str]) -> tuple[Optional[str]
             f"chat template writes NAME{DEEPSEEK_TOOL_SEP}ARGUMENTS without a ```json fence (DeepSeek-V3.1)"
         )
 
+    if "[TOOL_CALLS]" in t and "[ARGS]" in t:
+        return "mistral_v11", "chat template writes [TOOL_CALLS]NAME[ARGS] (Mistral v11+)"
     if "[TOOL_CALLS]" in t:
-        return "mistral", "chat template writes [TOOL_CALLS] (Mistral)"
+        return "mistral", "chat template writes [TOOL_CALLS] and a JSON list (Mistral v3)"
 
     if "[func_name1(" in t or "python list of the calls" in t or "python list for function calls" in t:
         return "pythonic", "chat template asks for a python list of calls [func_name1(...)] (Llama 3.2 / Llama 4 pythonic)"

@@ -37,6 +37,7 @@ class ToolCallFormat:
     # xgrammar's built-in structural tag for the family (xgrammar.get_model_structural_tag),
     # used for auto and named tool_choice; None where xgrammar has none (grammar.py says why).
     builtin: Optional[str] = None
+    auto_trigger: Optional[str] = None  # the grammar's auto trigger, where xgrammar's built-in has a shorter one
     call_id_style: str = "openai"  # openai: call_<24 hex>; mistral9: 9 alphanumerics (its templates require them)
     result_begin: str = "<tool_response>\n"  # a tool's result, as a user turn, for templates without tool roles
     result_end: str = "\n</tool_response>"
@@ -59,12 +60,13 @@ def _fmt(name: str, **kw) -> ToolCallFormat:
 
 
 HERMES = _fmt("hermes", call_begin='<tool_call>\n{"name": "', args_begin='", "arguments": ',
-              call_end="}\n</tool_call>", separator="\n", system_prompt=HERMES_SYSTEM_PROMPT, builtin="qwen_3")
+              call_end="}\n</tool_call>", separator="\n", system_prompt=HERMES_SYSTEM_PROMPT, builtin="qwen_3",
+              auto_trigger="<tool_call>")
 QWEN3_CODER = _fmt("qwen3_coder", call_begin="<tool_call>\n<function=", args_begin=">\n",
                    call_end="\n</function>\n</tool_call>", separator="\n", args_style="qwen_xml",
                    system_prompt=QWEN3_CODER_PROMPT, builtin="qwen_3_coder")
 LLAMA3 = _fmt("llama3", call_begin='{"name": "', args_begin='", "parameters": ', call_end="}",
-              separator="; ", system_prompt=LLAMA3_PROMPT, builtin="llama",
+              separator="; ", system_prompt=LLAMA3_PROMPT, builtin="llama", auto_trigger='{"name": ',
               result_begin="", result_end="")
 PYTHONIC = _fmt("pythonic", calls_begin="[", call_begin="", args_begin="(", call_end=")", separator=", ",
                 calls_end="]", args_style="pythonic", system_prompt=PYTHONIC_PROMPT, result_begin="", result_end="")

@@ -7,12 +7,14 @@ style (the llguidance backend translates the JSON-argument ones, constrained/str
 - auto: free text until the trigger, then the calls; after them, text again (or the end,
   when ``parallel_tool_calls`` is false).
 
-``auto`` and named use xgrammar's built-in structural tag for the family where it has one
-(``ToolCallFormat.builtin``: Hermes, Qwen3-Coder, Llama 3, DeepSeek V3 / V3.1). ``required``
-is always built here: the built-ins' ``required`` is a triggered tag that lets free text
+``auto`` and named are xgrammar's built-in structural tag for the family where it has one
+(``ToolCallFormat.builtin``: Hermes, Qwen3-Coder, Llama 3, DeepSeek V3 / V3.1), tag for tag:
+tests/test_tool_formats.py compares them with ``xgrammar.get_model_structural_tag``'s. They
+are written out here rather than asked of xgrammar at run time because importing xgrammar
+loads torch (~5 s, ~280 MB), and the frontend process, which builds the tag, stays without
+it. ``required`` is ours: the built-ins' ``required`` is a triggered tag that lets free text
 sit between and after the calls, and ours promises calls and nothing else. Mistral and the
-pythonic list have no built-in in xgrammar 0.2.9. tests/test_tool_formats.py checks that
-our per-call tags are the built-ins' strings exactly.
+pythonic list have no built-in in xgrammar 0.2.9.
 
 Each call's arguments follow the function's parameters schema: exactly where a grammar
 library enforces every keyword (``function.strict`` demands it), else as closely as one
@@ -23,8 +25,6 @@ its ``style`` (json, qwen_xml, pythonic: constrained/tag_parts.py).
 from __future__ import annotations
 
 from typing import Optional
-
-import xgrammar as xgr
 
 from constrained.schema_coverage import with_strict
 from constrained.tag_parts import NAME_KEY
@@ -50,15 +50,6 @@ def _call(fmt: ToolCallFormat, tool: ToolSpec, ws: Optional[int], head: str = ""
             "content": _args(fmt, tool, ws), "end": fmt.call_end + tail}
 
 
-def _builtin(fmt: ToolCallFormat, req: ToolRequest, ws: Optional[int]) -> dict:
-    tools = [{"type": "function", "function": {"name": t.name, "parameters": _schema(t)}} for t in req.tools]
-    choice = {"type": "function", "function": {"name": req.tools[0].name}} if req.mode == "named" else "auto"
-    tag = xgr.get_model_structural_tag(
-        fmt.builtin, tools=tools, tool_choice=choice, reasoning="disabled",  # thinking: ReasonerGrammarBackend
-        exclude_special_tokens=False, max_whitespace_cnt=ws, parallel_tool_calls=req.parallel)
-    return tag.model_dump(exclude_none=True)
-
-
 def _pythonic_auto(fmt: ToolCallFormat, req: ToolRequest, ws: Optional[int]) -> dict:
     """Triggered by ``[NAME(`` per tool, not by ``[`` alone (which prose writes all the time):
     the first call's tag holds the rest of the list."""
@@ -81,8 +72,6 @@ def tool_call_structural_tag(req: ToolRequest, fmt: ToolCallFormat,
     if not req.active:
         return None
     ws = max_whitespace
-    if fmt.builtin and req.mode in ("auto", "named"):
-        return _builtin(fmt, req, ws)
     if req.mode == "named":
         body = _call(fmt, req.tools[0], ws, fmt.calls_begin, fmt.calls_end)
     elif fmt.args_style == "pythonic" and req.mode == "auto":
@@ -94,7 +83,7 @@ def tool_call_structural_tag(req: ToolRequest, fmt: ToolCallFormat,
             calls = {"type": "tag", "begin": fmt.calls_begin, "content": calls, "end": fmt.calls_end}
         if req.mode == "auto":
             calls = calls if fmt.wrapped else {**calls, "at_least_one": False}
-            body = {"type": "triggered_tags", "triggers": [fmt.trigger],
+            body = {"type": "triggered_tags", "triggers": [fmt.auto_trigger or fmt.trigger],
                     "tags": [calls] if fmt.wrapped else calls["tags"], "stop_after_first": not req.parallel}
         else:
             body = calls

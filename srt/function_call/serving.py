@@ -29,6 +29,9 @@ class ToolCalling:
     # grammar serving them is approximate (or checks a format's syntax only), so a call
     # could break its schema; exact tools' arguments stream as they are generated.
     held: frozenset = frozenset()
+    # The format's markers hold a special token of the tokenizer (Mistral's [TOOL_CALLS]):
+    # the output is decoded with special tokens kept, or the parser would never see them.
+    keep_special: bool = False
 
     @classmethod
     def prepare(cls, body, messages: list[dict], tokenizer, server_args,
@@ -50,7 +53,7 @@ class ToolCalling:
         held = _held_tools(req, constraint, server_args)
         if fmt.args_style != "json":  # rebuilt as JSON only once whole: a call streams in one piece
             held = frozenset(t.name for t in req.tools)
-        return cls(req, fmt, constraint, held), msgs, kwargs
+        return cls(req, fmt, constraint, held, req.active and _marks_special(fmt, tokenizer)), msgs, kwargs
 
     @staticmethod
     def prompt_chars(messages: list[dict], template_kwargs: dict) -> int:
@@ -78,6 +81,8 @@ class ToolCalling:
                 "choice or structured_outputs): drop that field, or send tool_choice \"none\"",
                 "tool_choice")
         sampling_params["structural_tag"] = self.constraint
+        if self.keep_special:
+            sampling_params["skip_special_tokens"] = False
 
     def message(self, text: str, reason: Optional[str]) -> tuple[dict[str, Any], Optional[str]]:
         """(ChatMessageOut fields, finish_reason) of a finished output. A call cut short
@@ -176,6 +181,14 @@ def _held_tools(req: ToolRequest, constraint: Optional[dict], server_args) -> fr
         return frozenset(p.name for p in parts)
     inexact = {g.rsplit(" in ", 1)[1] for g in plan.gaps}
     return frozenset(p.name for p in parts if p.name in inexact or needs_format_check(json.dumps(p.schema)))
+
+
+def _marks_special(fmt: ToolCallFormat, tokenizer) -> bool:
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    specials = {t.content for t in added.values() if getattr(t, "special", False)}
+    specials = [t for t in specials | set(getattr(tokenizer, "all_special_tokens", None) or ()) if len(t) > 1]
+    marks = [fmt.calls_begin, fmt.call_begin, fmt.args_begin, fmt.call_end, fmt.calls_end]
+    return any(s in m for s in specials for m in marks if m)
 
 
 def _finish_reason(reason: Optional[str], called: bool) -> Optional[str]:

@@ -152,7 +152,7 @@ class Scheduler(BatchStepMixin):
                         "retry later.")
         elif params.max_new_tokens == 0 and req.input_logprobs_done:
             req.finished_reason = FinishReason("length", matched=0)  # nothing to compute
-        elif params.constraint is not None:
+        elif params.grammar_key is not None:  # a constraint, or a thinking_budget
             if self.grammar_manager.process_req_with_grammar(req):
                 self.reqs[req.rid] = req  # waits in the grammar queue
                 return

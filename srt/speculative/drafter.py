@@ -72,8 +72,10 @@ class GrammarWalk:
 
     def run(self) -> Draft:
         g = self.grammar
-        if self.length <= 0 or not g.needs_vocab_mask() or not self._fill(0):
-            return Draft()  # finished / reasoning freely / a dead end the step reports
+        # A row without a mask (a thinking model reasoning, a pass-through grammar) is walked
+        # too: the grammar counts the tokens (thinking_budget) and rolls them back exactly.
+        if self.length <= 0 or g.finished or g.is_terminated() or not self._fill(0):
+            return Draft()  # finished / a dead end the step reports
         try:
             self._walk()
         except ValueError:  # the library disagreed with its own mask: keep what was checked

@@ -153,3 +153,34 @@ def test_tp2_gives_what_tp1_gives(tmp_path_factory, tiny_think_dir, think_server
         with httpx.Client(base_url=base, timeout=120) as client:
             assert _chat_checks(client) == want
 
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
+
+
+def test_tool_calls_after_thinking_stream_and_not(think_server):
+    """Tools with a thinking model (vLLM #46149): the call is constrained after </think>, the
+    thinking is reasoning_content and never holds the call, stream and non-stream agree."""
+    body = {**{k: v for k, v in CHAT.items() if k != "response_format"}, "tools": [TOOL],
+            "tool_choice": "required", "parallel_tool_calls": False, "thinking_budget": 3, "max_tokens": 120}
+    with httpx.Client(base_url=think_server, timeout=120) as client:
+        r = client.post("/v1/chat/completions", json={**body, "n": 2}).json()
+        calls = []
+        for choice in r["choices"]:
+            m = choice["message"]
+            assert choice["finish_reason"] == "tool_calls" and len(m["tool_calls"]) == 1, choice
+            args = json.loads(m["tool_calls"][0]["function"]["arguments"])
+            jsonschema.validate(args, TOOL["function"]["parameters"])
+            assert m["reasoning_content"] and "<tool_call>" not in m["reasoning_content"] and not m["content"]
+            calls.append((m["reasoning_content"], m["tool_calls"][0]["function"]["arguments"]))
+        streamed, call_args = {"reasoning_content": ""}, ""
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    for ch in json.loads(line[6:])["choices"]:
+                        streamed["reasoning_content"] += ch["delta"].get("reasoning_content") or ""
+                        for d in ch["delta"].get("tool_calls") or []:
+                            call_args += d["function"].get("arguments") or ""
+        assert (streamed["reasoning_content"], call_args) == calls[0]

@@ -287,3 +287,26 @@ def test_auto_and_named_tags_are_xgrammars_builtin_ones(name):
         else:
             assert _normal(ours) == _normal(theirs), (name, choice, parallel)
     assert tools
+
+
+def test_unenforceable_tool_choice_is_a_400_naming_the_format_never_a_silent_auto():
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 "tools": TOOLS, "tool_choice": "auto"})
+    for name in FORMATS:
+        with pytest.raises(ToolCallError, match=f"tool_choice 'auto' cannot be enforced in the {name} "
+                                                "tool-call format: this server runs --grammar-backend none"):
+            ToolCalling.prepare(body, [], None, ServerArgs(model_path="x", tool_call_parser=name,
+                                                            grammar_backend="none"))
+
+
+def test_format_chosen_from_the_chat_template_and_logged(caplog):
+    from srt.function_call.format_choice import choose_format
+    from tool_format_data import load_template
+
+    choose_format.cache_clear()
+    with caplog.at_level("INFO", logger="srt.function_call.format_choice"):
+        fmt, why = choose_format(None, load_template("qwen3_5"))
+    assert fmt.name == "qwen3_coder" and "<function=" in why
+    assert "tool-call format qwen3_coder, chosen by the chat template" in caplog.text
+    assert choose_format(None, "{{ messages }}")[0].name == "hermes"  # no marker: the default
+    assert choose_format("mistral", load_template("qwen3_5"))[1] == "--tool-call-parser mistral"

@@ -20,6 +20,7 @@ from constrained.grammar_config import THINK_END_TOKENS
 from constrained.schema_coverage import GrammarReport
 from srt.frontend.detokenizer import DecodeState
 from srt.frontend.document_check import DocumentChecker
+from srt.function_call.format_choice import format_for
 from srt.frontend.logprob_output import LogprobAccumulator
 from srt.frontend.samples import merge_samples, split_samples
 from srt.frontend.dp_dispatch import DPDispatcher
@@ -98,6 +99,7 @@ class TokenizerManager:
         # documents validated here: off the schedulers' step loop (document_check.py).
         self.documents = DocumentChecker(
             server_args, THINK_END_TOKENS.get(getattr(server_args, "reasoning_parser", None) or ""))
+        format_for(server_args, tokenizer)  # the tool-call format, decided (and logged) at start
         # Large requests' parsing, templating, tokenizing and schema work: threads at the
         # lowest CPU priority, so the cores go to the step loop and small requests first.
         self.large_work = ThreadPoolExecutor(2, thread_name_prefix="large-request",

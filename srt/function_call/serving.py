@@ -41,7 +41,12 @@ class ToolCalling:
         cannot fit costs no schema analysis."""
         fmt = format_for(server_args, tokenizer)
         req = resolve(body.tools, body.tool_choice, body.parallel_tool_calls)
-        if req.active and fmt.args_style != "json" and getattr(server_args, "grammar_backend", None) == "llguidance":
+        backend = getattr(server_args, "grammar_backend", None)
+        if req.active and backend == "none":  # never a silent "auto": nothing could enforce the calls
+            raise ToolCallError(f"tool_choice {req.mode!r} cannot be enforced in the {fmt.name} tool-call format: "
+                                "this server runs --grammar-backend none (no grammar); send tool_choice "
+                                "\"none\" or restart it with a grammar backend", "tool_choice")
+        if req.active and fmt.args_style != "json" and backend == "llguidance":
             raise ToolCallError(f"the {fmt.name} tool-call format writes {fmt.args_style} arguments, which only "
                                 "the xgrammar grammar backend can constrain: this server runs --grammar-backend "
                                 "llguidance (use auto or xgrammar)", "tool_choice")

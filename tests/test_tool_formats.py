@@ -310,3 +310,14 @@ def test_format_chosen_from_the_chat_template_and_logged(caplog):
     assert "tool-call format qwen3_coder, chosen by the chat template" in caplog.text
     assert choose_format(None, "{{ messages }}")[0].name == "hermes"  # no marker: the default
     assert choose_format("mistral", load_template("qwen3_5"))[1] == "--tool-call-parser mistral"
+
+
+def test_pythonic_refuses_tools_python_cannot_spell():
+    for tool, why in [({"name": "get-weather"}, "tool name 'get-weather'"),
+                      ({"name": "f", "parameters": {"type": "object", "properties": {"from": {"type": "string"}}}},
+                       "from")]:
+        body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                     "tools": [PING, {"type": "function", "function": tool}]})
+        with pytest.raises(ToolCallError, match=rf"tools\[1\] \({tool['name']}\): the pythonic .*{why}"):
+            ToolCalling.prepare(body, [], None, ServerArgs(model_path="x", tool_call_parser="pythonic"))
+        ToolCalling.prepare(body, [], None, ServerArgs(model_path="x", tool_call_parser="hermes"))  # fine there

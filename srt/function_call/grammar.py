@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+from constrained.pythonic_args import kwargs_grammar, render_calls
 from constrained.schema_coverage import with_strict
 from constrained.tag_parts import NAME_KEY
 from srt.function_call.formats import ToolCallFormat
-from srt.function_call.tools import ToolRequest, ToolSpec
+from srt.function_call.tools import ToolCallError, ToolRequest, ToolSpec
 
 
 def _schema(tool: ToolSpec) -> dict:
@@ -88,3 +89,18 @@ def tool_call_structural_tag(req: ToolRequest, fmt: ToolCallFormat,
         else:
             body = calls
     return {"type": "structural_tag", "format": body}
+
+
+def check_writable(req: ToolRequest, fmt: ToolCallFormat) -> None:
+    """A 400 naming the tool when the format cannot write its calls (pythonic: a name or a
+    parameter Python cannot spell), before any grammar is compiled on the ranks."""
+    if fmt.args_style != "pythonic" or not req.active:
+        return
+    names = [t["function"]["name"] for t in req.shown]
+    for tool in req.tools:
+        try:
+            render_calls([(tool.name, {})])
+            kwargs_grammar(tool.parameters)
+        except ValueError as e:
+            raise ToolCallError(f"tools[{names.index(tool.name)}] ({tool.name}): the pythonic tool-call format "
+                                f"cannot write its calls: {e}", "tools") from None

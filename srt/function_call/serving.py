@@ -14,7 +14,7 @@ from constrained.tag_plan import StrictPartError, plan_tag
 from sampling.sampling_params import CONSTRAINT_FIELDS
 from srt.function_call.format_choice import format_for
 from srt.function_call.formats import ToolCallFormat
-from srt.function_call.grammar import tool_call_structural_tag
+from srt.function_call.grammar import check_writable, tool_call_structural_tag
 from srt.function_call.parser import Delta, ToolCallParser
 from srt.function_call.prompt import prepare_messages, template_supports_tools
 from srt.function_call.tools import ToolCallError, ToolRequest, resolve
@@ -54,6 +54,7 @@ class ToolCalling:
         if check_size is not None:
             check_size(cls.prompt_chars(msgs, kwargs))
         max_ws = getattr(server_args, "constrained_json_max_whitespace", 0) or None
+        check_writable(req, fmt)
         constraint = tool_call_structural_tag(req, fmt, max_ws)
         held = _held_tools(req, constraint, server_args)
         if fmt.args_style != "json":  # rebuilt as JSON only once whole: a call streams in one piece

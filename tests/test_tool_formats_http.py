@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from conftest import _launch_server
+from test_tool_calls_http import _client, _stream
 from srt.function_call.formats import TOOL_CALL_PARSERS
 
 PARAMS = {"type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {
@@ -29,10 +30,6 @@ BASE = {"model": "smollm2", "temperature": 0, "max_tokens": 120, "tools": [WEATH
 SCHEMAS = {"get_weather": PARAMS, "ping": PING["function"]["parameters"]}
 FORMATS = sorted(set(f.name for f in TOOL_CALL_PARSERS.values()))
 TP2_FORMATS = ["qwen3_coder", "mistral", "pythonic"]  # one per argument style / wrapper shape
-
-
-def _client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=120, max_retries=0)
 
 
 def _valid(call) -> tuple[str, dict]:
@@ -54,19 +51,26 @@ def _one_call(name: str, choice) -> list:
 
 
 def _streamed(client, **kwargs) -> tuple[str, list, str]:
-    content, calls, reason = "", {}, None
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        choice = chunk.choices[0]
-        reason = choice.finish_reason or reason
-        content += choice.delta.content or ""
-        for d in choice.delta.tool_calls or []:
-            if d.index not in calls:
-                assert d.id and d.type == "function" and d.function.name
-                calls[d.index] = [d.function.name, d.function.arguments or ""]
-            else:
-                assert d.id is None and d.function.name is None
-                calls[d.index][1] += d.function.arguments or ""
-    return content, [(n, json.loads(a)) for n, a in calls.values()], reason
+    content, calls, reason, _ = _stream(client, **kwargs)
+    assert all(i and n for i, n, _ in calls.values())  # each call's first delta: its id and name
+    return content, [(n, json.loads(a)) for _, n, a in calls.values()], reason
+
+
+def _required_single_calls(name: str, client) -> tuple[dict, object, list]:
+    """tool_choice required, one call: n = 2 choices each a valid call (or, for pythonic, a
+    refused one), and the stream giving the first choice's call. (params, reply, call)."""
+    one = {**BASE, "max_tokens": 250, "tool_choice": "required", "parallel_tool_calls": False}
+    reply = client.chat.completions.create(messages=ASK, n=2, **one)
+    assert len(reply.choices) == 2
+    for choice in reply.choices:
+        _one_call(name, choice)
+        if name in ("mistral", "mistral_v11"):  # the ids its templates require
+            assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)
+    whole = _one_call(name, reply.choices[0])
+    content, streamed, reason = _streamed(client, messages=ASK, **one)
+    assert streamed == whole and reason == ("tool_calls" if whole else "schema_violation"), (name, content)
+    assert bool(content.strip()) == (not whole)  # a broken call's text is content, as unstreamed
+    return one, reply, whole
 
 
 @pytest.fixture(scope="module", params=FORMATS)
@@ -80,17 +84,7 @@ def format_server(request, tmp_path_factory, tiny_dir):
 def test_every_format_required_named_parallel_stream_and_history(format_server):
     name, base = format_server
     client = _client(base)
-    one = {**BASE, "max_tokens": 250, "tool_choice": "required", "parallel_tool_calls": False}
-    reply = client.chat.completions.create(messages=ASK, n=2, **one)
-    assert len(reply.choices) == 2
-    for choice in reply.choices:
-        _one_call(name, choice)
-        if name in ("mistral", "mistral_v11"):  # the ids its templates require
-            assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)
-    whole = _one_call(name, reply.choices[0])
-    content, streamed, reason = _streamed(client, messages=ASK, **one)
-    assert streamed == whole and reason == ("tool_calls" if whole else "schema_violation"), (name, content)
-    assert bool(content.strip()) == (not whole)  # a broken call's text is content, as unstreamed
+    one, reply, _ = _required_single_calls(name, client)
 
     named = client.chat.completions.create(messages=ASK, **{**one, "tool_choice": {
         "type": "function", "function": {"name": "ping"}}})
@@ -124,10 +118,4 @@ def tp2_format_server(request, tmp_path_factory, tiny_dir):
 @pytest.mark.timeout(300)
 def test_tp2_calls_validate_and_stream_the_same(tp2_format_server):
     name, base = tp2_format_server
-    client = _client(base)
-    one = {**BASE, "max_tokens": 250, "tool_choice": "required", "parallel_tool_calls": False}
-    reply = client.chat.completions.create(messages=ASK, n=2, **one)
-    for choice in reply.choices:
-        _one_call(name, choice)
-    whole = _one_call(name, reply.choices[0])
-    assert _streamed(client, messages=ASK, **one)[1:] == (whole, "tool_calls" if whole else "schema_violation")
+    _required_single_calls(name, _client(base))

@@ -198,9 +198,7 @@ class ToolCallParser:
         if buf.startswith(end):
             self.buf, self.state, self.after_call = buf[len(end):], self.TEXT, True
             return True
-        if (nxt.startswith(buf) or end.startswith(buf)) and buf:
-            return False
-        if not buf:
+        if nxt.startswith(buf) or end.startswith(buf):  # (also an empty buffer) wait for more
             return False
         self.state, self.after_call = self.TEXT, False  # the wrapper broke off: text again
         return True

@@ -292,6 +292,27 @@ def test_bad_parallel_layout_is_rejected(flags, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.timeout(60)
+def test_a_taken_port_fails_before_any_rank_starts(tiny_dir):
+    """The HTTP port is bound first (srt/entrypoints/http_socket.py): a taken port is a
+    clear message and exit 1 at once, not after the model has loaded; and while a server
+    starts no other socket (its ranks' gloo ones included) can take the port it named."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        started = time.monotonic()
+        proc = subprocess.run(_launch_cmd(tiny_dir, port, "--tp-size", "2"), cwd=ROOT,
+                              capture_output=True, text=True, timeout=50)
+        elapsed = time.monotonic() - started
+    assert proc.returncode == 1, proc.stderr
+    assert (f"gramsync: cannot bind the HTTP port 127.0.0.1:{port}: address already in use"
+            in proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "scheduler" not in proc.stderr.lower(), proc.stderr  # no rank was started
+    assert elapsed < 20, f"the taken port was reported after {elapsed:.1f} s"
+
+
 # ---- TP=2 ------------------------------------------------------------------------------
 @pytest.mark.timeout(240)
 def test_tp2_openai_client(tp2_server):

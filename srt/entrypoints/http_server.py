@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import threading
 from concurrent.futures import Future
@@ -71,9 +72,11 @@ def create_app(tokenizer_manager: TokenizerManager, server_args) -> FastAPI:
 
 def launch_server(server_args) -> None:
     """Node 0 without torchrun: start the scheduler ranks, then serve HTTP until stopped."""
+    from srt.entrypoints.http_socket import bind_http_socket
     from srt.entrypoints.launcher import launch_schedulers, new_port_args, prepare_server_args
 
     _init_frontend_process(server_args)
+    http_socket = bind_http_socket(server_args.host, server_args.port)  # first: see http_socket.py
     if server_args.nnodes > 1:
         from srt.security.cluster_secret import secret_for_node0
 
@@ -84,8 +87,9 @@ def launch_server(server_args) -> None:
     tokenizer = prefetch_tokenizer(server_args)
     try:
         serve(server_args, port_args, launch_schedulers(server_args, port_args, defer_stop_signals=True),
-              tokenizer)
+              tokenizer, http_socket)
     finally:
+        http_socket.close()
         port_args.remove_local_dir()
 
 
@@ -141,10 +145,11 @@ def _init_frontend_process(server_args) -> None:
                         format="[%(asctime)s frontend] %(levelname)s %(name)s: %(message)s")
 
 
-def serve(server_args, port_args, handles, tokenizer: Future) -> None:
+def serve(server_args, port_args, handles, tokenizer: Future, http_socket: socket.socket) -> None:
     """Serve HTTP on top of ready scheduler ranks until stopped. A rank that dies takes the
     server down: this raises SystemExit naming the rank (exit code 1). SIGTERM drains
-    (srt/entrypoints/drain.py), then this returns. ``tokenizer``: ``prefetch_tokenizer``'s."""
+    (srt/entrypoints/drain.py), then this returns. ``tokenizer``: ``prefetch_tokenizer``'s;
+    ``http_socket``: ``bind_http_socket``'s, bound at the start."""
     tm = None
     failure: list[str] = []
     if server_args.enable_custom_logit_processor:  # torch: loaded now, not on the first request
@@ -172,7 +177,7 @@ def serve(server_args, port_args, handles, tokenizer: Future) -> None:
             drain.request(RANK_GONE, 0.0)
 
         handles.watch(on_rank_death)
-        server.run()
+        server.run(sockets=[http_socket])
     finally:
         handles.shutdown()
         if tm is not None:

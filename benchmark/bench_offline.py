@@ -204,9 +204,10 @@ def main():
             flags += ["--torchao-config", args.torchao_config]
         if args.disable_torch_compile:
             flags.append("--disable-torch-compile")
-        http_ms = http_overhead.measure(model_dir, flags, prompts_ids, http_sizes, new_tokens=48)
+        http_ms, cpu = http_overhead.measure(model_dir, flags, prompts_ids, http_sizes, new_tokens=48)
         print("\nthe same greedy requests streamed through HTTP (POST /v1/completions, 48 tokens as the breakdown, medians)")
-        report["http_tpot_ms"] = http_ms
+        report["http_tpot_ms"], report["http_cpu_ms_per_step"] = http_ms, cpu
+        http_overhead.print_cpu(cpu)
         report["http_overhead_ms"] = http_overhead.print_overhead(http_ms, steps)
     profiled = [int(c) for c in args.package_profile.split(",") if c]
     if profiled:

@@ -18,6 +18,7 @@ import statistics
 import time
 
 import httpx
+import psutil
 
 from bench_serving import free_port, launched_server
 
@@ -54,25 +55,61 @@ async def _round(base: str, prompts: list[list[int]], new_tokens: int) -> list[f
         return list(await asyncio.gather(*(_stream_one(client, base, p, new_tokens) for p in prompts)))
 
 
-def tpot_ms(base: str, prompts_ids: list[list[int]], sizes: list[int], new_tokens: int,
-            repeats: int) -> dict[int, float]:
-    """Median time per output token (ms) of ``bs`` streams started together, per size."""
+def _cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
     out = {}
-    for bs in sizes:
-        prompts = [prompts_ids[i % len(prompts_ids)] for i in range(bs)]
-        asyncio.run(_round(base, prompts, 8))  # warm-up: connections, this batch size's step
-        runs = [t for _ in range(repeats) for t in asyncio.run(_round(base, prompts, new_tokens))]
-        out[bs] = 1e3 * statistics.median(runs)
+    for name, p in procs.items():
+        try:
+            t = p.cpu_times()
+            out[name] = t.user + t.system
+        except psutil.NoSuchProcess:
+            out[name] = 0.0
     return out
 
 
+def server_processes() -> dict[str, psutil.Process]:
+    """The server's processes by title (``gramsync::frontend``, ``gramsync::scheduler_*``),
+    and this one as "client" (the benchmark's own streams cost CPU on the same cores)."""
+    procs = {}
+    for p in psutil.process_iter(["cmdline"]):
+        title = (p.info["cmdline"] or [""])[0]
+        if title.startswith("gramsync::") and "grammar" not in title:
+            procs[title.removeprefix("gramsync::")] = p
+    procs["client"] = psutil.Process()
+    return procs
+
+
+def tpot_ms(base: str, prompts_ids: list[list[int]], sizes: list[int], new_tokens: int,
+            repeats: int) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
+    """Median time per output token (ms) of ``bs`` streams started together, per size; and
+    each process's CPU time per decode step (ms) over those rounds."""
+    out, cpu = {}, {}
+    procs = server_processes()
+    for bs in sizes:
+        prompts = [prompts_ids[i % len(prompts_ids)] for i in range(bs)]
+        asyncio.run(_round(base, prompts, 8))  # warm-up: connections, this batch size's step
+        before = _cpu_seconds(procs)
+        runs = [t for _ in range(repeats) for t in asyncio.run(_round(base, prompts, new_tokens))]
+        after = _cpu_seconds(procs)
+        out[bs] = 1e3 * statistics.median(runs)
+        cpu[bs] = {k: 1e3 * (after[k] - before[k]) / (repeats * new_tokens) for k in procs}
+    return out, cpu
+
+
 def measure(model_dir: str, server_flags: list[str], prompts_ids: list[list[int]], sizes: list[int],
-            new_tokens: int = 64, repeats: int = 3) -> dict[int, float]:
+            new_tokens: int = 64, repeats: int = 3) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
     """Launch a server with ``server_flags`` (compiled steps waited for), measure, stop it."""
     flags = ["--model-path", model_dir, "--wait-for-torch-compile", "--log-level", "warning",
              "--max-running-requests", str(max(sizes)), *server_flags]
     with launched_server(free_port(), shlex.join(flags)) as base:
         return tpot_ms(base, prompts_ids, sizes, new_tokens, repeats)
+
+
+def print_cpu(cpu: dict[int, dict[str, float]]) -> None:
+    """Where the cores went per decode step: a scheduler rank near threads x step means its
+    torch threads spin between kernels, so whatever else runs takes a core from them."""
+    for bs, row in cpu.items():
+        parts = "  ".join(f"{k} {v:.2f}" for k, v in row.items())
+        print(f"cpu per step bs={bs} (ms): {parts}")
 
 
 def print_overhead(http_ms: dict[int, float], step_ms: dict[int, float]) -> dict[int, float]:

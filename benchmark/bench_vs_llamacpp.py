@@ -111,7 +111,7 @@ async def serving(base: str, prompts, n: int, rate: float, max_tokens: int, seed
 
 
 def measure(base: str, args) -> dict:
-    prompts = [m for m in chat_prompts(16)]
+    prompts = chat_prompts(16)
     out = {"plain_tpot": [], "json_tpot": []}
     valid = 0
     for _ in range(args.repeats):  # the two loads interleaved, so drift hits both alike

@@ -1,10 +1,16 @@
-"""Weight-only quantization (torchao) against the same engine unquantized, same run.
+"""Weight-only quantization against the same engine unquantized, same run.
 
-    .venv/bin/python benchmark/bench_quant.py [--torchao-config int8wo|int4wo-32] [--dtype auto]
+    .venv/bin/python benchmark/bench_quant.py [--torchao-config gguf|int8wo|int4wo-32] [--dtype auto]
+
+``gguf`` is the default for the embedded 4-bit GGUF on CPU: its own Q4_1 codes on torch's
+int4 kernel (srt/model_executor/gguf_int4.py); ``int8wo`` / ``int4wo-<g>`` re-quantize the
+dequantized weights with torchao. "unquantized" is the dequantized model in ``--dtype``
+(auto: the machine's default dtype, named explicitly so it stays dense).
 
 With an int4 config on CPU it also runs the int4 model compiled and prints
 ``int4 vs <dtype> compiled: ratio <x>x`` (int4's batch-1 step over the unquantized
-compiled step of the same dtype; the issue's target reads the bf16 line, <= 0.6x).
+compiled step of the same dtype). With ``gguf`` it also runs the model dequantized to bf16
+and prints ``perplexity vs bf16-dequantized: <+x.xx>%`` and the greedy agreement with it.
 
 For each of {unquantized, quantized}, on the in-process scheduler, both eager and the
 unquantized default (compiled; int8wo is not compiled by default, CPU int4 is):
@@ -81,21 +87,28 @@ def main() -> None:
     tok = get_tokenizer(path)
     prompts = [apply_chat_template(tok, m) for m in chat_prompts(16)]
     text_ids = tok(TEXT.read_text())["input_ids"]
-    configs = {"unquantized eager": {"disable_torch_compile": True},
-               f"{args.torchao_config} eager": {"torchao_config": args.torchao_config,
-                                                 "disable_torch_compile": True},
-               "unquantized compiled": {}}
-    int4 = args.torchao_config.startswith("int4wo-")
+    from srt.model_executor.model_runner import resolve_dtype
+    from srt.server_args import ServerArgs
+
+    dense = str(resolve_dtype(ServerArgs(dtype=args.dtype), "cpu")).removeprefix("torch.")
+    gguf = args.torchao_config == "gguf"  # the default: dtype auto, no torchao config
+    quant = {} if gguf else {"torchao_config": args.torchao_config}
+    qdtype = "auto" if gguf else args.dtype
+    configs = {"unquantized eager": (dense, {"disable_torch_compile": True}),
+               f"{args.torchao_config} eager": (qdtype, {**quant, "disable_torch_compile": True}),
+               "unquantized compiled": (dense, {})}
+    int4 = gguf or args.torchao_config.startswith("int4wo-")
     if int4:  # CPU int4 compiles (AOTInductor packages at TP=1, as the plain model)
-        configs[f"{args.torchao_config} compiled"] = {"torchao_config": args.torchao_config,
-                                                      "enable_torch_compile": True}
-    rows, ref = {}, None
-    for name, kwargs in configs.items():
-        sched = step_breakdown.make_scheduler(path, args.dtype, 16, **kwargs)
+        configs[f"{args.torchao_config} compiled"] = (qdtype, {**quant, "enable_torch_compile": True})
+    if gguf and dense != "bfloat16":  # the issue's reference: the file dequantized to bf16
+        configs["bf16-dequantized eager"] = ("bfloat16", {"disable_torch_compile": True})
+    rows, outputs, ref = {}, {}, None
+    for name, (dtype, kwargs) in configs.items():
+        sched = step_breakdown.make_scheduler(path, dtype, 16, **kwargs)
         step_breakdown._decode(sched, prompts[:1], 4, f"w{name}")
         tpot = statistics.median(step_breakdown._decode(sched, prompts[:1], 48, f"t{name}"))
         out = greedy(sched, prompts, args.new_tokens, f"g{name}")
-        ref = ref or out
+        ref, outputs[name] = ref or out, out
         rows[name] = (1e3 * tpot, agreement(out, ref), perplexity(sched, text_ids), sched.runner.dtype)
         del sched
     base = rows["unquantized eager"][0]
@@ -114,6 +127,10 @@ def main() -> None:
         ratio = rows[f"{args.torchao_config} compiled"][0] / rows["unquantized compiled"][0]
         print(f"int4 vs {dt} compiled: ratio {ratio:.2f}x")
         print(f"perplexity change: {100 * (rows[f'{args.torchao_config} eager'][2] / rows['unquantized eager'][2] - 1):+.2f}%")
+    if gguf:
+        bf16 = "bf16-dequantized eager" if "bf16-dequantized eager" in rows else "unquantized eager"
+        print(f"perplexity vs bf16-dequantized: {100 * (rows['gguf eager'][2] / rows[bf16][2] - 1):+.2f}%")
+        print(f"greedy agreement with bf16-dequantized: {agreement(outputs['gguf eager'], outputs[bf16]):.3f}")
 
 
 if __name__ == "__main__":

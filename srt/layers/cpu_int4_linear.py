@@ -47,3 +47,12 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> to
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, w.qdata, w.group, w.scale_and_zero)
     y = y[:, :w.out_features].to(x.dtype).reshape(*x.shape[:-1], w.out_features)
     return y + bias if bias is not None else y
+
+
+def int4_from_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> Int4Weight:
+    """Pack given codes (uint8 0..15, ``[N, K]``) with their affine scale and zero (bf16,
+    ``[N, K / group]``; value = (code - 8) * scale + zero): a GGUF's own Q4 codes
+    (srt/model_executor/gguf_int4.py), no new rounding."""
+    qdata = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    scale_and_zero = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).transpose(0, 1).contiguous()
+    return Int4Weight(qdata, scale_and_zero, group, codes.shape[0])

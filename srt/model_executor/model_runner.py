@@ -24,6 +24,7 @@ from srt.model_executor.compiled.prefill import CompiledPrefill
 from srt.model_executor.compiled.switch import CompiledSwitch
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, real_length_inputs
 from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.model_executor.gguf_int4 import gguf_int4_choice, load_gguf_int4
 from srt.layers.attention import create_attention_backend
 from srt.layers.attention.layer import prepare_attention
 from srt.layers.weight_packing import pack_linear_weights
@@ -85,6 +86,7 @@ class ModelRunner:
                              "serve it unquantized (docs/models.md)")
         if server_args.torchao_config:
             apply_torchao_config(self.model, server_args.torchao_config, self.device, rank_info.log_prefix)
+        self.gguf_int4 = self._load_gguf_int4()
         # oneDNN-packed weights for the eager step; with int4 only a layer that neither the
         # int4 nor the int8 kernel took (none where torch has both).
         if self.device == "cpu" and environ.GRAMSYNC_CPU_PACKED_LINEAR.get() and (
@@ -107,6 +109,21 @@ class ModelRunner:
             self.model, pipeline, self.attn_backend, self.dtype, self.device,
             server_args.pp_max_micro_batch_size, self.state_pool)
 
+    def _load_gguf_int4(self) -> bool:
+        """A 4-bit GGUF on CPU serves its own codes (gguf_int4.py); the log says what is
+        served and why, on every start from a GGUF."""
+        prefix = self.rank_info.log_prefix
+        use, why = gguf_int4_choice(self.server_args, self.model_config.model_path, self.device, self.model)
+        if use:
+            try:
+                load_gguf_int4(self.model, self.model_config.model_path, prefix)
+            except ValueError as e:  # the same file and layout on every rank: they all fall back
+                use, why = False, f"not every linear layer can take them ({e})"
+        if why:
+            logger.info("%s weights: %s (%s)", prefix, "the GGUF's own 4-bit codes, int8 LM head" if use
+                        else f"dense {str(self.dtype).removeprefix('torch.')}", why)
+        return use
+
     def _start_compiling(self, builder_folder: Optional[str]) -> None:
         """Compile the decode step (and, on CPU, the prefill) from the rank's compile cache:
         at once where a complete build is there, else after a builder process made it
@@ -119,7 +136,8 @@ class ModelRunner:
         folder = builder_folder
         if self.device == "cpu" and folder is None:
             folder = use_compile_cache(args, self.model_config.model_path, self.dtype, self.tp.size,
-                                       self.tp.rank, max_bs, prefix)
+                                       self.tp.rank, max_bs, prefix,
+                                       weights="gguf-int4" if self.gguf_int4 else "checkpoint")
         packages = DecodePackages(folder, self.attn_backend, prefix) if self._decode_as_packages() else None
         decode = self.compiled_decode = CompiledDecode(self.model, max_bs, prefix, packages)
         prefill = self.compiled_prefill = CompiledPrefill(self.model, prefix) if self.device == "cpu" else None
@@ -153,7 +171,7 @@ class ModelRunner:
                 and environ.GRAMSYNC_AOTI_DECODE.get())
 
     def _cpu_int4(self) -> bool:
-        return self.device == "cpu" and (self.server_args.torchao_config or "").startswith("int4wo-")
+        return self.device == "cpu" and (self.gguf_int4 or (self.server_args.torchao_config or "").startswith("int4wo-"))
 
     def _want_compile(self) -> bool:
         args = self.server_args
@@ -166,7 +184,7 @@ class ModelRunner:
         # torchao's quantized tensors (int8wo) took over 5 minutes to compile here. CPU int4
         # at TP=1 builds AOTInductor packages like the plain model (~1 minute a graph).
         return (environ.GRAMSYNC_TORCH_COMPILE_AUTO.get() and self.device == "cpu"
-                and (not args.torchao_config or (self._cpu_int4() and self.tp.is_single)))
+                and (not (args.torchao_config or self.gguf_int4) or (self._cpu_int4() and self.tp.is_single)))
 
     def _want_cuda_graph(self) -> bool:
         args = self.server_args

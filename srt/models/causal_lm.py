@@ -102,8 +102,11 @@ class CausalLM(nn.Module):
         parameter(s) it filled; None: not such a tensor."""
         return None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load ``(hf_name, full_tensor)`` pairs; each parameter slices its TP shard."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     only: Optional[set[str]] = None) -> None:
+        """Load ``(hf_name, full_tensor)`` pairs; each parameter slices its TP shard.
+        ``only``: load just the tensors for these parameters, skip the rest and check
+        nothing is missing (another pass over some layers: srt/model_executor/gguf_int4.py)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -115,7 +118,7 @@ class CausalLM(nn.Module):
                 continue  # a layer cut off by --json-model-override-args
             if not self._holds(name):
                 continue  # another pipeline stage's weight
-            special = self.load_special_weight(name, tensor)
+            special = self.load_special_weight(name, tensor) if only is None else None
             if special is not None:
                 loaded.update((special,) if isinstance(special, str) else special)
                 continue
@@ -124,6 +127,8 @@ class CausalLM(nn.Module):
                 if f".{hf_part}." in name:
                     name, shard_id = name.replace(f".{hf_part}.", f".{fused}."), sid
                     break
+            if only is not None and name not in only:
+                continue
             tensor = self._pad_heads(name, shard_id, tensor)
             if name not in params:
                 raise KeyError(f"Checkpoint tensor {name!r} has no matching model parameter")
@@ -135,7 +140,7 @@ class CausalLM(nn.Module):
                 param.data.copy_(tensor)
             loaded.add(name)
         missing = sorted(set(params) - loaded)
-        if missing:
+        if missing and only is None:
             raise ValueError(f"Checkpoint is missing weights for: {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}")
 

@@ -109,13 +109,15 @@ def cpu_flags() -> list[str]:
 
 
 def compile_cache_key(args: ServerArgs, model_dir: str, dtype: torch.dtype, tp_size: int,
-                      tp_rank: int, max_compiled_bs: int) -> dict:
+                      tp_rank: int, max_compiled_bs: int, weights: str = "checkpoint") -> dict:
+    """``weights``: what the linear layers hold ("checkpoint", or "gguf-int4": a GGUF's own codes)."""
     return {
         "checkpoint": checkpoint_fingerprint(model_dir),
         "code": code_digest(),
         "model_overrides": args.json_model_override_args,
         "dtype": str(dtype),
         "torchao_config": args.torchao_config,
+        "weights": weights,
         "tp": [tp_size, tp_rank],
         "ep_size": args.ep_size,  # which experts, and how much of each, this rank holds
         "max_compiled_bs": max_compiled_bs,
@@ -175,7 +177,8 @@ def inductor_cache_counts() -> str:
 
 
 def use_compile_cache(args: ServerArgs, model_dir: str, dtype: torch.dtype, tp_size: int,
-                      tp_rank: int, max_compiled_bs: int, log_prefix: str) -> str | None:
+                      tp_rank: int, max_compiled_bs: int, log_prefix: str,
+                      weights: str = "checkpoint") -> str | None:
     """Point Inductor's caches at this rank's keyed folder (before anything compiles);
     returns the folder, or None where ``GRAMSYNC_COMPILE_CACHE`` is off.
 
@@ -183,7 +186,7 @@ def use_compile_cache(args: ServerArgs, model_dir: str, dtype: torch.dtype, tp_s
     process, so setting it there touches no other rank."""
     if not environ.GRAMSYNC_COMPILE_CACHE.get():
         return None
-    key = compile_cache_key(args, model_dir, dtype, tp_size, tp_rank, max_compiled_bs)
+    key = compile_cache_key(args, model_dir, dtype, tp_size, tp_rank, max_compiled_bs, weights)
     blob = json.dumps(key, sort_keys=True)
     root = environ.GRAMSYNC_COMPILE_CACHE_DIR.get() or os.path.join(environ.GRAMSYNC_CACHE_DIR.get(), "compile")
     folder = os.path.join(root, hashlib.sha256(blob.encode()).hexdigest()[:24])

@@ -71,7 +71,7 @@ def test_each_tp_shard_holds_its_slice_of_the_codes(smollm2_dir, tp_rank):
     from distributed.parallel_state import TPGroup
     from srt.layers.cpu_int4_linear import Int4Weight, int4_linear
     from srt.layers.linear import _TPLinear
-    from srt.model_executor.gguf_int4 import load_gguf_int4
+    from srt.model_executor.gguf_int4 import INT4_MAX_ROWS, load_gguf_int4
     from srt.model_executor.model_config import ModelConfig
     from srt.model_executor.model_loader import load_model
 
@@ -81,9 +81,11 @@ def test_each_tp_shard_holds_its_slice_of_the_codes(smollm2_dir, tp_rank):
     dense = {n: m.weight.detach().clone() for n, m in layers.items()}
     assert load_gguf_int4(model, smollm2_dir, "[test]") == 30 * 4
     for name, m in layers.items():
-        assert isinstance(m.packed_weight, Int4Weight) and m.weight.is_meta, name
+        held = m.packed_weight
+        assert isinstance(held.int4, Int4Weight) and held.max_rows == INT4_MAX_ROWS, name
+        assert torch.equal(m.weight, dense[name])  # the dense rows stay for larger steps
         w = dense[name]
-        back = int4_linear(torch.eye(w.shape[1]), m.packed_weight, None).T
+        back = int4_linear(torch.eye(w.shape[1]), held.int4, None).T
         assert back.shape == w.shape
         assert float((back - w).norm() / w.norm()) < 0.01, name
 
@@ -123,7 +125,7 @@ def _scheduler(model_dir, tokenizer, dtype):
 def test_the_default_serves_the_codes_within_half_a_percent_of_bf16(smollm2_dir, smollm2_tokenizer, caplog):
     from bench_offline import chat_prompts
     from bench_quant import TEXT, agreement, greedy, perplexity
-    from srt.layers.cpu_int4_linear import Int4Weight
+    from srt.layers.cpu_int4_linear import Int4Weight, SmallBatchInt4
     from srt.layers.cpu_int8_linear import Int8Weight
     from srt.tokenizer_utils import apply_chat_template
 
@@ -138,7 +140,9 @@ def test_the_default_serves_the_codes_within_half_a_percent_of_bf16(smollm2_dir,
         q = _scheduler(smollm2_dir, smollm2_tokenizer, "auto")
     assert "weights: the GGUF's own 4-bit codes, int8 LM head" in caplog.text
     assert q.runner.gguf_int4 and q.runner._cpu_int4()
-    assert isinstance(q.runner.model.model.layers[0].self_attn.qkv_proj.packed_weight, Int4Weight)
+    held = q.runner.model.model.layers[0].self_attn.qkv_proj.packed_weight
+    assert isinstance(held, SmallBatchInt4) and isinstance(held.int4, Int4Weight)
+    assert held.dense is not None  # eager here: the dense rows oneDNN-packed beside the codes
     assert isinstance(q.runner.model.lm_head.packed_weight, Int8Weight)
     got, out = perplexity(q, ids), greedy(q, prompts, 16, "gguf")
     print(f"perplexity bf16-dequantized {want:.4f} gguf int4 {got:.4f} ({got / want - 1:+.3%}); "
@@ -155,3 +159,28 @@ def test_the_compile_cache_is_keyed_by_the_weights(tmp_path):
     args = ServerArgs(model_path=str(tmp_path))
     keys = [compile_cache_key(args, str(tmp_path), torch.float32, 1, 0, 8, w) for w in ("checkpoint", "gguf-int4")]
     assert keys[0]["weights"] == "checkpoint" and keys[0] != keys[1]
+
+
+def test_a_few_rows_run_the_codes_and_more_rows_the_dense_weight(smollm2_dir):
+    """A GGUF's layer: steps of up to INT4_MAX_ROWS rows read the codes (the int4 kernel's
+    rounding), larger ones the dequantized weight (fp32 exactly); both close to the file."""
+    from srt.layers.cpu_int4_linear import SmallBatchInt4, int4_linear
+    from srt.layers.cpu_packed_linear import linear, pack_weight
+    from srt.model_executor.gguf_int4 import INT4_MAX_ROWS, load_gguf_int4
+    from srt.model_executor.model_config import ModelConfig
+    from srt.model_executor.model_loader import load_model
+
+    torch.set_grad_enabled(False)
+    model = load_model(ModelConfig.from_path(smollm2_dir), dtype=torch.float32)
+    load_gguf_int4(model, smollm2_dir, "[test]")
+    layer = model.model.layers[2].mlp.down_proj
+    held = layer.packed_weight
+    x = torch.randn(INT4_MAX_ROWS + 1, layer.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    dense = torch.nn.functional.linear(x, layer.weight)
+    few, many = linear(x[:INT4_MAX_ROWS], layer.weight, held), linear(x, layer.weight, held)
+    assert torch.equal(few, int4_linear(x[:INT4_MAX_ROWS], held.int4, None))
+    assert torch.equal(many, dense)
+    assert not torch.equal(few, dense[:INT4_MAX_ROWS])
+    assert float((few - dense[:INT4_MAX_ROWS]).norm() / dense.norm()) < 0.01
+    packed = SmallBatchInt4(held.int4, pack_weight(layer.weight), INT4_MAX_ROWS)  # an eager step's layout
+    assert torch.allclose(linear(x, layer.weight, packed), dense, rtol=1e-4, atol=1e-4)

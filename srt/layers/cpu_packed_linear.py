@@ -17,7 +17,9 @@ import logging
 import torch
 
 from srt.layers.cpu_gemv import small_linear, use_gemv
-from srt.layers.cpu_int4_linear import Int4Weight, int4_linear
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from srt.layers.cpu_int4_linear import Int4Weight, SmallBatchInt4, int4_linear
 from srt.layers.cpu_int8_linear import Int8Weight, int8_linear
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     graph of up to 16 rows on CPU, the hand-written GEMV (cpu_gemv.py)."""
     if isinstance(packed, Int4Weight):  # int4 on CPU: the same op eager and compiled
         return int4_linear(x, packed, bias)
+    if isinstance(packed, SmallBatchInt4):  # a GGUF's codes up to a few rows (known when traced)
+        rows = x.numel() // x.shape[-1]
+        if statically_known_true(rows <= packed.max_rows):
+            return int4_linear(x, packed.int4, bias)
+        packed = packed.dense
     if isinstance(packed, Int8Weight):  # int8 LM head of an int4 model on CPU: likewise
         return int8_linear(x, packed, bias)
     if packed is not None and not torch.compiler.is_compiling():

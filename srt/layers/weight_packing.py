@@ -11,7 +11,7 @@ import logging
 import torch
 from torch import nn
 
-from srt.layers.cpu_int4_linear import quantize_int4
+from srt.layers.cpu_int4_linear import SmallBatchInt4, quantize_int4
 from srt.layers.cpu_int8_linear import quantize_int8
 from srt.layers.cpu_packed_linear import pack_weight, packing_supported
 from srt.layers.linear import _TPLinear
@@ -23,18 +23,25 @@ logger = logging.getLogger(__name__)
 def pack_linear_weights(model: nn.Module, dtype: torch.dtype, log_prefix: str) -> int:
     """Give every linear layer and the LM head its weight packed. A linear layer's dense
     weight becomes a meta tensor (shape and dtype kept, no memory): only a compiled step or
-    torchao would read it, and neither runs on a packed model. The LM head keeps its dense
+    torchao would read it, and neither runs on a packed model. A GGUF's codes layer
+    (``SmallBatchInt4``) gets its dense rows packed beside them. The LM head keeps its dense
     weight (a tied embedding reads it). Returns the number of layers packed."""
     if not packing_supported(dtype):
         return 0
     count = 0
     for module in model.modules():
-        if (isinstance(module, (_TPLinear, ParallelLMHead)) and module.weight.dtype == dtype
-                and getattr(module, "packed_weight", None) is None):  # int4 layers keep theirs
+        if not (isinstance(module, (_TPLinear, ParallelLMHead)) and module.weight.dtype == dtype):
+            continue
+        held = getattr(module, "packed_weight", None)
+        if held is None:
             module.packed_weight = pack_weight(module.weight)
-            if isinstance(module, _TPLinear):
-                module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
-            count += 1
+        elif isinstance(held, SmallBatchInt4) and held.dense is None:  # a GGUF's codes: the dense rows
+            module.packed_weight = held._replace(dense=pack_weight(module.weight))
+        else:
+            continue  # int4 / int8 layers keep theirs
+        if isinstance(module, _TPLinear):
+            module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
+        count += 1
     logger.info("%s oneDNN-packed weights for %d eager linear layers", log_prefix, count)
     return count
 

@@ -26,7 +26,7 @@ import re
 import torch
 from torch import nn
 
-from srt.layers.cpu_int4_linear import int4_from_codes, int4_supported
+from srt.layers.cpu_int4_linear import SmallBatchInt4, int4_from_codes, int4_supported
 from srt.layers.cpu_int8_linear import int8_supported
 from srt.layers.linear import _TPLinear
 from srt.layers.weight_packing import quantize_head_int8
@@ -36,6 +36,10 @@ from srt.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 _UNSET = 255  # no code: a layer the file holds no Q4 codes for
+# Steps of up to this many rows run the codes (eager: every such step; compiled: the graphs
+# whose rows are known to be this few, i.e. batch 1); larger ones the dequantized weight,
+# which the int4 kernel only beats at a few rows (cpu_int4_linear.SmallBatchInt4).
+INT4_MAX_ROWS = 4
 
 
 def gguf_int4_choice(args: ServerArgs, model_dir: str, device: str, model: nn.Module) -> tuple[bool, str]:
@@ -57,8 +61,8 @@ def gguf_int4_choice(args: ServerArgs, model_dir: str, device: str, model: nn.Mo
 
 
 def load_gguf_int4(model: nn.Module, model_dir: str, log_prefix: str) -> int:
-    """Give every decoder linear layer the file's codes as an ``Int4Weight`` (its dense
-    weight becomes a meta tensor) and the LM head int8. Returns the number of linear
+    """Give every decoder linear layer the file's codes (a ``SmallBatchInt4``: its dense
+    weight stays for steps of more rows) and the LM head int8. Returns the number of linear
     layers. ValueError, with the model left as it was, where a
     layer has no Q4 codes in the file or its inputs are not whole groups."""
     from safetensors import safe_open
@@ -81,12 +85,12 @@ def load_gguf_int4(model: nn.Module, model_dir: str, log_prefix: str) -> int:
                            for part in ("scale", "min"))
             for name in names:
                 weights[name] = _pack(codes[name], scale[name][:, ::GROUP], minv[name][:, ::GROUP])
-    for name, m in linears.items():
-        m.packed_weight = weights[name]
-        m.weight = nn.Parameter(m.weight.to("meta"), requires_grad=False)
+    for name, m in linears.items():  # the dense weight stays for steps of more rows
+        m.packed_weight = SmallBatchInt4(weights[name], None, INT4_MAX_ROWS)
     quantize_head_int8(model, log_prefix)
-    logger.info("%s the GGUF's own 4-bit codes (group %d, torch's CPU int4 kernel) for %d linear layers",
-                log_prefix, GROUP, len(linears))
+    logger.info("%s the GGUF's own 4-bit codes (group %d, torch's CPU int4 kernel) for %d linear layers "
+                "in steps of up to %d rows; the file dequantized above", log_prefix, GROUP, len(linears),
+                INT4_MAX_ROWS)
     return len(linears)
 
 

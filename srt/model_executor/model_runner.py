@@ -87,10 +87,12 @@ class ModelRunner:
         if server_args.torchao_config:
             apply_torchao_config(self.model, server_args.torchao_config, self.device, rank_info.log_prefix)
         self.gguf_int4 = self._load_gguf_int4()
-        # oneDNN-packed weights for the eager step; with int4 only a layer that neither the
-        # int4 nor the int8 kernel took (none where torch has both).
+        # oneDNN-packed weights for the eager step; with torchao's int4 only a layer that
+        # neither the int4 nor the int8 kernel took (none where torch has both); a GGUF's
+        # codes keep their dense rows for the compiled graphs unless it runs eagerly.
+        torchao_int4 = self.device == "cpu" and (server_args.torchao_config or "").startswith("int4wo-")
         if self.device == "cpu" and environ.GRAMSYNC_CPU_PACKED_LINEAR.get() and (
-                self._cpu_int4() or not (server_args.torchao_config or self._want_compile())):
+                torchao_int4 or not (server_args.torchao_config or self._want_compile())):
             pack_linear_weights(self.model, self.dtype, rank_info.log_prefix)
         # Every rank of the DP group must allocate identically: take the group's minimum.
         self.max_total_num_tokens = tp_min_int(self._profile_max_num_tokens(), self.ctrl)

@@ -3,8 +3,9 @@
     .venv/bin/python benchmark/bench_quant.py [--torchao-config gguf|int8wo|int4wo-32] [--dtype auto]
 
 ``gguf`` is the default for the embedded 4-bit GGUF on CPU: its own Q4_1 codes on torch's
-int4 kernel (srt/model_executor/gguf_int4.py); ``int8wo`` / ``int4wo-<g>`` re-quantize the
-dequantized weights with torchao. "unquantized" is the dequantized model in ``--dtype``
+int4 kernel (srt/model_executor/gguf_int4.py) in steps of up to 4 rows (its eager row's
+greedy tokens and perplexity are measured with the codes at every row); ``int8wo`` and
+``int4wo-<g>`` re-quantize the dequantized weights with torchao. "unquantized" is the dequantized model in ``--dtype``
 (auto: the machine's default dtype, named explicitly so it stays dense).
 
 With an int4 config on CPU it also runs the int4 model compiled and prints
@@ -87,6 +88,7 @@ def main() -> None:
     tok = get_tokenizer(path)
     prompts = [apply_chat_template(tok, m) for m in chat_prompts(16)]
     text_ids = tok(TEXT.read_text())["input_ids"]
+    from srt.model_executor.gguf_int4 import codes_at_every_row
     from srt.model_executor.model_runner import resolve_dtype
     from srt.server_args import ServerArgs
 
@@ -107,6 +109,8 @@ def main() -> None:
         sched = step_breakdown.make_scheduler(path, dtype, 16, **kwargs)
         step_breakdown._decode(sched, prompts[:1], 4, f"w{name}")
         tpot = statistics.median(step_breakdown._decode(sched, prompts[:1], 48, f"t{name}"))
+        if gguf and name == "gguf eager":  # 16 prompts and the prefill would read the dense rows
+            codes_at_every_row(sched.runner.model)
         out = greedy(sched, prompts, args.new_tokens, f"g{name}")
         ref, outputs[name] = ref or out, out
         rows[name] = (1e3 * tpot, agreement(out, ref), perplexity(sched, text_ids), sched.runner.dtype)

@@ -127,6 +127,7 @@ def test_the_default_serves_the_codes_within_half_a_percent_of_bf16(smollm2_dir,
     from bench_quant import TEXT, agreement, greedy, perplexity
     from srt.layers.cpu_int4_linear import Int4Weight, SmallBatchInt4
     from srt.layers.cpu_int8_linear import Int8Weight
+    from srt.model_executor.gguf_int4 import codes_at_every_row
     from srt.tokenizer_utils import apply_chat_template
 
     torch.set_grad_enabled(False)
@@ -144,7 +145,9 @@ def test_the_default_serves_the_codes_within_half_a_percent_of_bf16(smollm2_dir,
     assert isinstance(held, SmallBatchInt4) and isinstance(held.int4, Int4Weight)
     assert held.dense is not None  # eager here: the dense rows oneDNN-packed beside the codes
     assert isinstance(q.runner.model.lm_head.packed_weight, Int8Weight)
-    got, out = perplexity(q, ids), greedy(q, prompts, 16, "gguf")
+    out = greedy(q, prompts, 16, "gguf")  # 4 rows a step: the codes
+    assert codes_at_every_row(q.runner.model) == 30 * 4  # the perplexity's prefill too
+    got = perplexity(q, ids)
     print(f"perplexity bf16-dequantized {want:.4f} gguf int4 {got:.4f} ({got / want - 1:+.3%}); "
           f"greedy agreement {agreement(out, want_out):.3f}")
     assert got != want and abs(got / want - 1) < 0.005, (got, want)

@@ -131,3 +131,14 @@ def _through_loaders(model: nn.Module, linears: dict[str, _TPLinear], hf_names: 
     finally:
         for name, m in linears.items():
             m.weight = originals[name]
+
+
+def codes_at_every_row(model: nn.Module) -> int:
+    """Let every step, of any row count, run the codes (eager steps only): to measure their
+    quality over a whole prefill (bench_quant.py, tests). Returns the layers changed."""
+    count = 0
+    for m in model.modules():
+        if isinstance(getattr(m, "packed_weight", None), SmallBatchInt4):
+            m.packed_weight = m.packed_weight._replace(max_rows=2**62)
+            count += 1
+    return count

@@ -90,9 +90,8 @@ class ModelRunner:
         # oneDNN-packed weights for the eager step; with torchao's int4 only a layer that
         # neither the int4 nor the int8 kernel took (none where torch has both); a GGUF's
         # codes keep their dense rows for the compiled graphs unless it runs eagerly.
-        torchao_int4 = self.device == "cpu" and (server_args.torchao_config or "").startswith("int4wo-")
         if self.device == "cpu" and environ.GRAMSYNC_CPU_PACKED_LINEAR.get() and (
-                torchao_int4 or not (server_args.torchao_config or self._want_compile())):
+                self._torchao_int4() or not (server_args.torchao_config or self._want_compile())):
             pack_linear_weights(self.model, self.dtype, rank_info.log_prefix)
         # Every rank of the DP group must allocate identically: take the group's minimum.
         self.max_total_num_tokens = tp_min_int(self._profile_max_num_tokens(), self.ctrl)
@@ -172,8 +171,12 @@ class ModelRunner:
                 and (not self.server_args.torchao_config or self._cpu_int4())
                 and environ.GRAMSYNC_AOTI_DECODE.get())
 
+    def _torchao_int4(self) -> bool:
+        return self.device == "cpu" and (self.server_args.torchao_config or "").startswith("int4wo-")
+
     def _cpu_int4(self) -> bool:
-        return self.device == "cpu" and (self.gguf_int4 or (self.server_args.torchao_config or "").startswith("int4wo-"))
+        """torch's CPU int4 kernel in the linear layers: torchao's int4 or a GGUF's own codes."""
+        return self._torchao_int4() or self.gguf_int4
 
     def _want_compile(self) -> bool:
         args = self.server_args

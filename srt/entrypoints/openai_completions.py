@@ -126,9 +126,9 @@ async def _stream(serving: OpenAIServing, job: CompletionJob, include_usage: boo
                 yield out
                 break
             c = k * n + j
-            piece = _stream_choice(serving, job, streams[c], k, out)
+            piece = _stream_choice(serving, job, streams[c], k, c, out)
             if piece is not None:
-                yield chunk([piece.model_copy(update={"index": c})])
+                yield chunk([piece])
             if out["meta_info"]["finish_reason"] is not None:
                 finals[c] = out
         if include_usage and len(finals) == len(streams):
@@ -140,7 +140,7 @@ async def _stream(serving: OpenAIServing, job: CompletionJob, include_usage: boo
     yield SSE_DONE
 
 
-def _stream_choice(serving: OpenAIServing, job: CompletionJob, st: _EchoStream, k: int,
+def _stream_choice(serving: OpenAIServing, job: CompletionJob, st: _EchoStream, k: int, index: int,
                    out: dict) -> Optional[CompletionChoice]:
     """The next chunk of one streamed choice (None if it has nothing new). With ``echo``
     its first chunk carries the prompt (once the prompt's logprobs are in, when asked)."""
@@ -163,5 +163,5 @@ def _stream_choice(serving: OpenAIServing, job: CompletionJob, st: _EchoStream, 
     if not (prefix or delta or fr is not None or logprobs is not None):
         return None
     reason, matched = _finish(fr)
-    return CompletionChoice(text=prefix + delta, logprobs=logprobs, finish_reason=reason, matched_stop=matched,
-                            **structured_output(meta))
+    return CompletionChoice(index=index, text=prefix + delta, logprobs=logprobs, finish_reason=reason,
+                            matched_stop=matched, **structured_output(meta))

@@ -47,6 +47,11 @@ def split_samples(req: TokenizedGenerateReq) -> list[TokenizedGenerateReq]:
 async def merge_samples(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
     """Interleave the samples' output streams as (index, output), in arrival order.
     Closing this generator closes every stream (which aborts unfinished samples)."""
+    if len(streams) == 1:  # the common case: no task and queue hop per token
+        async with contextlib.aclosing(streams[0]) as only:
+            async for out in only:
+                yield 0, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

@@ -169,8 +169,9 @@ GRAMSYNC_CPU_DECODE_ATTENTION = EnvVar(
 )
 GRAMSYNC_SPEC_ROW_COST = EnvVar(
     "GRAMSYNC_SPEC_ROW_COST", float, 0.12,
-    "Speculative decoding: one extra decode row's cost relative to a one-row step; drafts are "
-    "sized so their expected gain beats it (higher: shorter, fewer drafts).",
+    "Speculative decoding: one extra decode row's cost relative to a one-row step, where the "
+    "step costs are not measured: with more than one rank (TP, PP), and for row counts a "
+    "single rank has not run yet (higher: shorter, fewer drafts).",
 )
 GRAMSYNC_SPEC_MAX_ROWS = EnvVar(
     "GRAMSYNC_SPEC_MAX_ROWS", int, 16,

@@ -187,3 +187,19 @@ def test_a_few_rows_run_the_codes_and_more_rows_the_dense_weight(smollm2_dir):
     assert float((few - dense[:INT4_MAX_ROWS]).norm() / dense.norm()) < 0.01
     packed = SmallBatchInt4(held.int4, pack_weight(layer.weight), INT4_MAX_ROWS)  # an eager step's layout
     assert torch.allclose(linear(x, layer.weight, packed), dense, rtol=1e-4, atol=1e-4)
+
+
+def test_speculation_serves_the_gguf_dense(smollm2_dir):
+    """Verify steps have several rows, which read the dequantized weights: with the codes at
+    batch 1 a draft would be checked against other numbers than a plain step computes."""
+    import types
+
+    from srt.model_executor.gguf_int4 import gguf_int4_choice
+    from srt.server_args import ServerArgs
+
+    model = types.SimpleNamespace(has_experts=False, is_hybrid=False)  # only its kind is read
+    use, why = gguf_int4_choice(ServerArgs(model_path=smollm2_dir), smollm2_dir, "cpu", model)
+    assert use, why
+    args = ServerArgs(model_path=smollm2_dir, speculative_algorithm="NGRAM")
+    use, why = gguf_int4_choice(args, smollm2_dir, "cpu", model)
+    assert not use and "--speculative-algorithm" in why

@@ -18,8 +18,9 @@ from sampling.verify_batch import expand_for_verify, verify_rows
 from srt.scheduler.req import Req
 from srt.speculative.drafter import GrammarWalk, allowed
 from srt.speculative.ngram import NgramIndex
-from srt.speculative.spec_state import (PROBE_EVERY, SpecConfig, SpecState, best_draft_length,
-                                        effective_row_cost)
+from srt.speculative.draft_plan import DraftAsk, plan_draft_lengths
+from srt.speculative.spec_state import PROBE_EVERY, PROBE_TOKENS, SpecConfig, SpecState, best_draft_length
+from srt.speculative.step_cost import StepCostTable
 from test_sampler_statistics import assert_fits, make_info, reference_probs
 
 VOCAB = 49152
@@ -68,24 +69,66 @@ def test_draft_length_follows_the_acceptance_rate():
     assert best_draft_length(0.95, 8, 0.12) == 8
     assert 1 <= best_draft_length(0.5, 8, 0.12) <= 3
     assert best_draft_length(0.05, 8, 0.12) == 0  # below the row cost: drafting is off
+
+
+def _flat(c):
+    return lambda rows: 1.0 + c * (rows - 1)
+
+
+def test_the_plan_weighs_every_request_against_the_steps_cost():
     # a large batch: one more row costs more relative to each request's share
-    assert effective_row_cost(0.12, 1) == pytest.approx(0.12)
-    assert effective_row_cost(0.12, 32) > 0.8
-    assert best_draft_length(0.7, 8, effective_row_cost(0.12, 32)) == 0
+    assert plan_draft_lengths([DraftAsk(0.7, 8)] * 32, 32, 16, _flat(0.12)) == [0] * 32
+    # the extra rows go to the surest drafts first, each request's a prefix
+    lengths = plan_draft_lengths([DraftAsk(0.3, 8), DraftAsk(0.95, 8)], 2, 8, _flat(0.05))
+    assert lengths[1] >= 4 and lengths[1] > lengths[0] and sum(lengths) <= 8
+    # a batch-1 graph much faster than the next (a GGUF's codes at 1 row, dense at 2+):
+    # a guess is not worth the jump, a near-certain copy is
+    def jump(rows):
+        return 12.0 if rows == 1 else 20.0 + 0.5 * rows
+    assert plan_draft_lengths([DraftAsk(0.4, 8)], 1, 8, jump) == [0]
+    assert plan_draft_lengths([DraftAsk(0.97, 8)], 1, 8, jump) == [8]
+    assert plan_draft_lengths([DraftAsk(0.9, 8)], 1, 0, jump) == [0]  # no rows left
 
 
-def test_failing_drafts_stop_then_probe_again():
+def test_the_cost_table_measures_and_estimates():
+    t = StepCostTable(0.1, measure=True)
+    assert t.cost(5) == pytest.approx(1.4)  # nothing measured: the flat model
+    for s in (0.012, 0.013, 0.5, 0.012):  # one slow step moves nothing (median)
+        t.observe(1, s)
+    t.observe(9, 0.030)
+    assert t.cost(1) == pytest.approx(0.0125)
+    assert t.cost(5) == pytest.approx(0.0125 + (0.030 - 0.0125) * 4 / 8)  # between two measured
+    assert t.cost(12) == pytest.approx(0.030 * t.flat(12) / t.flat(9))  # past them: flat, scaled
+    t.reset()
+    assert t.cost(1) == pytest.approx(1.0)
+    off = StepCostTable(0.1, measure=False)  # more than one rank: nothing measured
+    off.observe(1, 0.01)
+    assert off.cost(2) == pytest.approx(1.1)
+
+
+def _length(s: SpecState, limit: int, c: float, match: int) -> int:
+    """One request alone under the flat model, through ask / planned as the scheduler does."""
+    n = plan_draft_lengths([s.ask(limit, match)], 1, limit, _flat(c))[0]
+    s.planned(n)
+    return n
+
+
+def test_failing_drafts_stop_then_probe_again_less_often():
     s = SpecState()
-    assert s.draft_length(8, 0.12, match=1) > 0  # the prior: a one-token match is tried
+    assert _length(s, 8, 0.12, match=1) > 0  # the prior: a one-token match is tried
     for _ in range(12):
         s.record(drafted=4, accepted=0)
     assert s.rates[0] < 0.05 and s.verify_ct == 12
-    lengths = [s.draft_length(8, 0.12, match=1) for _ in range(PROBE_EVERY)]
-    assert lengths[:-1] == [0] * (PROBE_EVERY - 1) and lengths[-1] == 2
-    assert s.draft_length(8, 0.12, match=5) >= 2  # a long match keeps its own estimate
+    lengths = [_length(s, 8, 0.12, match=1) for _ in range(PROBE_EVERY + 1)]
+    assert lengths[:-1] == [0] * PROBE_EVERY and lengths[-1] == PROBE_TOKENS
+    s.record(drafted=2, accepted=0)  # the probe failed: the next comes twice as late
+    lengths = [_length(s, 8, 0.12, match=1) for _ in range(2 * PROBE_EVERY + 1)]
+    assert lengths[:-1] == [0] * (2 * PROBE_EVERY) and lengths[-1] == PROBE_TOKENS
+    assert _length(s, 8, 0.12, match=5) >= 2  # a long match keeps its own estimate
     for _ in range(6):
         s.record(drafted=4, accepted=4)
-    assert s.rates[2] > 0.9 and s.draft_length(8, 0.12, match=3) >= 4
+    assert s.rates[2] > 0.9 and _length(s, 8, 0.12, match=3) >= 4
+    assert s.probe_every == PROBE_EVERY  # drafting on its own rate resets the wait
 
 
 # ---- the walk through a grammar -------------------------------------------------------

@@ -255,6 +255,7 @@ class BatchStepMixin(SpecStepMixin):
         batch = len(reqs) + (len(self.running) if step.mode is ForwardMode.EXTEND else 0)
         rows_left = self.decode_row_limit - batch
         spec_rows = (self.spec_config.max_rows - batch) if self.spec_config is not None else 0
+        drafters = []  # drafting comes after every request's forced tokens took their rows
         for i, (r, tokens) in enumerate(zip(reqs, step.tokens)):
             start = r.seqlen  # the first token's position
             appended = 0
@@ -275,9 +276,7 @@ class BatchStepMixin(SpecStepMixin):
                     forced_rows += [i] * len(forced)
                     forced_ids += forced
             if failed[i] is None and not r.finished and self.spec_config is not None:
-                drafted = self._draft(r, min(rows_left, spec_rows), batch)
-                rows_left -= drafted
-                spec_rows -= drafted
+                drafters.append(r)
             elif r.spec is not None:
                 r.spec.clear_draft()
             if failed[i] is not None:
@@ -286,6 +285,8 @@ class BatchStepMixin(SpecStepMixin):
                 r.finished_reason = FinishReason("abort", message=message, status_code=status)
             if r.finished:
                 self._release_finished(r)
+        if drafters:
+            self._draft_all(drafters, min(rows_left, spec_rows), batch + len(forced_ids))
         info.cumulate_forced_tokens(forced_rows, forced_ids)
         if forced_rows:
             self.batch_log.record_forced(forced_rows, forced_ids)

@@ -42,6 +42,7 @@ from srt.model_executor.hybrid_limits import hybrid_serving_args
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 from srt.speculative.spec_state import spec_config_from_args
+from srt.speculative.step_cost import StepCostTable
 
 logger = logging.getLogger(__name__)
 Message = Union[TokenizedGenerateReq, AbortReq, FlushCacheReq]
@@ -103,6 +104,10 @@ class Scheduler(BatchStepMixin):
         self.decode_row_limit = graph.max_bs if graph is not None else server_args.torch_compile_max_bs
         # --speculative-algorithm NGRAM: requests draft tokens the next decode step verifies.
         self.spec_config = spec_config_from_args(server_args, r.device)
+        # What its decode steps cost per row count: measured where this rank is alone.
+        self.step_cost = (StepCostTable(self.spec_config.row_cost, measure=self.ctrl.is_single)
+                          if self.spec_config is not None else None)
+        self.step_cost_compiled = False  # the table's steps ran the compiled graphs
         self.step_stats = StepStats()  # per-phase seconds and counters, for benchmarks and logs
         # --enable-metrics, entry rank only: throttled SchedulerMetrics to the frontend.
         self.metrics_reporter = SchedulerMetricsReporter.create(server_args, rank_info)
@@ -234,11 +239,15 @@ class Scheduler(BatchStepMixin):
         mode, reqs = batch
         if self.metrics_reporter is not None:
             self.metrics_reporter.before_batch(mode is not ForwardMode.DECODE, reqs)
+        timed = mode is ForwardMode.DECODE and self.step_cost is not None
+        rows = sum(r.decode_rows for r in reqs) if timed else 0
         self._run_batch(mode, reqs)  # a prefill chunk leaves reqs: it has no output yet
         if self.metrics_reporter is not None:
             self.metrics_reporter.after_batch(reqs)
         outputs = control + self._make_outputs(touched + reqs)
         self.step_stats.end_step(mode.name)  # the rest of the step counts as "scheduler"
+        if timed:
+            self._observe_decode_cost(rows, self.step_stats.step_seconds())
         return outputs
 
     def _poll_grammars(self) -> None:

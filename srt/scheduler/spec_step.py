@@ -20,37 +20,60 @@ from sampling.logprobs import chosen_and_top
 from sampling.verify_batch import expand_for_verify, verify_rows
 from srt.scheduler.req import Req
 from srt.speculative.drafter import make_draft
-from srt.speculative.spec_state import SpecState, effective_row_cost
+from srt.speculative.draft_plan import plan_draft_lengths
+from srt.speculative.spec_state import SpecState
 
 
 class SpecStepMixin:
-    """Uses the scheduler's spec_config (None: off), fast_forward, running_info, runner, tp,
-    rank_info, step_stats, batch_log and vocab_size."""
+    """Uses the scheduler's spec_config (None: off), step_cost, step_cost_compiled,
+    fast_forward, running_info, runner, tp, rank_info, step_stats, batch_log and vocab_size."""
 
-    def _draft(self, req: Req, rows_left: int, batch_size: int) -> int:
-        """Draft the request's next tokens for the coming decode step; rows used."""
+    def _draft_all(self, reqs: list[Req], max_extra: int, base_rows: int) -> None:
+        """Draft the next tokens of ``reqs`` for the coming decode step: one plan for the
+        step (draft_plan.py) over at most ``max_extra`` rows beyond its ``base_rows``."""
         cfg = self.spec_config
-        if req.spec is None:
-            req.spec = SpecState()
-        spec = req.spec
-        spec.clear_draft()
-        limit = min(cfg.num_draft_tokens, rows_left, req.remaining_new_tokens() - 1)
-        if limit <= 0:
-            return 0
-        spec.index.sync(req.fill_ids)
-        match, _ = spec.index.best_match(cfg.min_match, cfg.max_match)
-        if match == 0:
-            return 0  # nothing to copy from (forced tokens alone are fast-forward's)
-        length = spec.draft_length(limit, effective_row_cost(cfg.row_cost, batch_size), match)
-        if length == 0:
-            return 0
-        # Forced tokens are taken as fast-forward takes them, where a plain step would.
-        force = self.fast_forward and not req.return_logprob
-        draft = make_draft(req, length, cfg, self.vocab_size, force)
-        spec.draft, spec.forced, spec.masks, spec.bonus = (draft.tokens, draft.forced,
-                                                          draft.masks, draft.bonus)
-        self.step_stats.spec_drafted_tokens += len(draft.tokens)
-        return len(draft.tokens)
+        asks, askers = [], []
+        for req in reqs:
+            if req.spec is None:
+                req.spec = SpecState()
+            spec = req.spec
+            spec.clear_draft()
+            limit = min(cfg.num_draft_tokens, max_extra, req.remaining_new_tokens() - 1)
+            if limit <= 0:
+                continue
+            spec.index.sync(req.fill_ids)
+            match, _ = spec.index.best_match(cfg.min_match, cfg.max_match)
+            if match == 0:
+                continue  # nothing to copy from (forced tokens alone are fast-forward's)
+            if req.grammar is None:  # no row planned beyond what the n-gram has to offer
+                limit = len(spec.index.propose(limit, cfg.min_match, cfg.max_match))
+            if limit > 0:
+                asks.append(spec.ask(limit, match))
+                askers.append(req)
+        if not asks:
+            return
+        lengths = plan_draft_lengths(asks, base_rows, max_extra, self.step_cost.cost)
+        for req, length in zip(askers, lengths):
+            req.spec.planned(length)
+            if length == 0:
+                continue
+            # Forced tokens are taken as fast-forward takes them, where a plain step would.
+            force = self.fast_forward and not req.return_logprob
+            draft = make_draft(req, length, cfg, self.vocab_size, force)
+            spec = req.spec
+            spec.draft, spec.forced, spec.masks, spec.bonus = (draft.tokens, draft.forced,
+                                                              draft.masks, draft.bonus)
+            self.step_stats.spec_drafted_tokens += len(draft.tokens)
+
+    def _observe_decode_cost(self, rows: int, seconds: float) -> None:
+        """A decode step's wall time, for the plan; measured again from the step in which
+        the compiled graphs take over from the eager ones."""
+        decode = self.runner.compiled_switch.decode
+        compiled = decode is not None and decode.ready
+        if compiled != self.step_cost_compiled:
+            self.step_cost.reset()
+            self.step_cost_compiled = compiled
+        self.step_cost.observe(rows, seconds)
 
     def _sample_drafts(self, step) -> None:
         """Sample every verified position of the step; set ``step.tokens`` (per request:

@@ -99,6 +99,10 @@ class StepStats:
             times.add(phase, seconds)
         times.add("scheduler", now - self._step_start - sum(self._step.values()))
 
+    def step_seconds(self) -> float:
+        """Since ``start_step``."""
+        return time.perf_counter() - self._step_start
+
     # ---- counters ----------------------------------------------------------------------
     def count_mask(self, info) -> None:
         """A sampled batch (``SamplingBatchInfo``): its grammar mask's seconds, if it had one."""

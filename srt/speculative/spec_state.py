@@ -1,17 +1,16 @@
 """One request's speculation: its n-gram index, the draft the next step verifies, and the
 acceptance history that sizes the next draft.
 
-Sizing (item "never slower"): a step that verifies d drafted tokens of a request costs
-about ``1 + c_eff * d`` plain steps, where ``c_eff`` is one extra row's cost relative to
-this request's share of the step; with a per-token acceptance rate r, the request gains
-``(1 - r^(d+1)) / (1 - r)`` tokens (r is kept per match-length bucket). The draft length
-maximises gain over cost, so it falls to 0 (no drafting) once r drops below ``c_eff``: a
-request whose drafts keep failing stops drafting, and a large batch (where rows are no
-longer free) drafts only near-certain copies. A request that stopped drafting probes again every ``PROBE_EVERY`` steps with a
-short draft, so a copy that starts later (the JSON after a preamble) is still found.
+Sizing: a request's per-token acceptance rate r (kept per match-length bucket) says what
+its next draft is worth, r^d expected tokens from its d-th token; the step's plan
+(draft_plan.py) weighs every request's worth against what the extra rows cost
+(step_cost.py), so a request whose drafts keep failing stops drafting, and a step whose
+extra rows cost more than they return drafts nothing. A request that stopped drafting
+probes again after ``probe_every`` idle steps with a short draft (the wait doubles per
+probe), so a copy that starts later (the JSON after a preamble) is still found.
 
-Every input is agreed across ranks (accepted counts, batch size), so every rank sizes the
-same drafts.
+Every input is agreed across ranks (accepted counts, batch rows; a single rank's own step
+times only where it is alone), so every rank sizes the same drafts.
 """
 from __future__ import annotations
 
@@ -20,12 +19,14 @@ from typing import Optional
 
 import torch
 
+from srt.speculative.draft_plan import DraftAsk, plan_draft_lengths
 from srt.speculative.ngram import NgramIndex
 
 PRIOR_RATE = 0.6  # acceptance rate assumed before a request's first verification
 EMA = 0.3  # weight of the newest verification in the acceptance estimate
 PROBE_EVERY = 16  # steps between probes of a request that stopped drafting
 PROBE_TOKENS = 2
+MAX_PROBE_EVERY = 256
 # Acceptance is estimated per length of the suffix match a draft came from (1, 2, 3+
 # tokens): a one-token match on a common token is a guess, a long one is a copy.
 MATCH_BUCKETS = 3
@@ -38,7 +39,7 @@ class SpecConfig:
     num_draft_tokens: int  # most drafted tokens per request per step
     min_match: int  # shortest suffix that counts as a match (n-gram window)
     max_match: int  # longest suffix tried
-    row_cost: float  # one extra decode row's cost, relative to a one-row step
+    row_cost: float  # one extra decode row's cost, relative to a one-row step (flat model)
     max_rows: int  # no drafting once the decode batch has this many rows
 
 
@@ -56,6 +57,8 @@ class SpecState:
     bucket: int = 0
     verify_ct: int = 0  # decode steps of this request while speculation was on
     idle_steps: int = 0  # steps since it last drafted
+    probe_every: int = PROBE_EVERY  # idle steps before a probe (doubles per probe)
+    probing: bool = False  # its current ask is a probe
 
     def clear_draft(self) -> None:
         self.draft, self.forced, self.masks, self.bonus = [], [], None, True
@@ -71,37 +74,32 @@ class SpecState:
         b = self.bucket
         self.rates[b] = (1 - EMA) * self.rates[b] + EMA * (accepted / trials)
 
-    def draft_length(self, limit: int, row_cost: float, match: int) -> int:
-        """How many tokens to draft next (0: none), at most ``limit``, from a suffix match
-        of ``match`` tokens (> 0); sets the draft's bucket."""
+    def ask(self, limit: int, match: int) -> DraftAsk:
+        """What this request asks of the step's plan (draft_plan.py): its acceptance rate
+        for a draft from a suffix match of ``match`` tokens (> 0; sets the draft's bucket)
+        and at most ``limit`` tokens. A request idle for ``probe_every`` steps asks for a
+        short probe at the prior rate, so a copy that starts later is still found."""
         self.bucket = min(match, MATCH_BUCKETS) - 1
-        best = best_draft_length(self.rates[self.bucket], limit, row_cost)
-        if best > 0:
-            self.idle_steps = 0
-            return best
-        self.idle_steps += 1
-        if self.idle_steps >= PROBE_EVERY:
-            self.idle_steps = 0
-            return min(PROBE_TOKENS, limit)
-        return 0
+        rate = self.rates[self.bucket]
+        self.probing = self.idle_steps >= self.probe_every
+        if self.probing:
+            return DraftAsk(max(rate, PRIOR_RATE), min(PROBE_TOKENS, limit))
+        return DraftAsk(rate, limit)
+
+    def planned(self, length: int) -> None:
+        """The plan gave it ``length`` tokens. A probe doubles the wait before the next one
+        (failing probes cost a slower step each; a success drafts on its own rate and
+        resets the wait)."""
+        if length == 0:
+            self.idle_steps += 1
+            return
+        self.idle_steps = 0
+        self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY) if self.probing else PROBE_EVERY
 
 
 def best_draft_length(rate: float, limit: int, row_cost: float) -> int:
-    """argmax over d in [0, limit] of expected tokens per step cost (see the module doc)."""
-    best, best_value = 0, 1.0
-    gain, p = 1.0, 1.0
-    for d in range(1, limit + 1):
-        p *= rate
-        gain += p
-        value = gain / (1.0 + row_cost * d)
-        if value > best_value + 1e-9:
-            best, best_value = d, value
-    return best
-
-
-def effective_row_cost(row_cost: float, batch_size: int) -> float:
-    """One extra row's cost relative to one request's share of a ``batch_size``-row step."""
-    return row_cost * batch_size / (1.0 + row_cost * (batch_size - 1))
+    """One request alone under the flat cost model (``row_cost`` per extra row)."""
+    return plan_draft_lengths([DraftAsk(rate, limit)], 1, limit, lambda rows: 1.0 + row_cost * (rows - 1))[0]
 
 
 def spec_config_from_args(args, device: str) -> Optional[SpecConfig]:

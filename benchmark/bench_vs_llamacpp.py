@@ -44,6 +44,12 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["title", "year", "facts"], "additionalProperties": False}
 
 
+# A connection per request: llama-server closes a connection after a streamed response,
+# and a client that reused it raced that close ("Server disconnected without sending a
+# response"; the benchmark then stopped the server, which read as llama-server exiting).
+FRESH_CONNECTIONS = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+
+
 async def stream_chat(client: httpx.AsyncClient, base: str, messages, max_tokens: int,
                       schema: dict | None = None) -> dict:
     """One streamed chat completion: TTFT, the gaps between content chunks, tokens."""
@@ -83,7 +89,7 @@ def _is_json(text: str) -> bool:
 async def batch1(base: str, prompts, max_tokens: int, schema: dict | None, runs: int) -> tuple[float, int]:
     """Median seconds per output token over ``runs`` sequential streams; with a schema, how
     many documents were complete JSON (one cut by max_tokens is not)."""
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with httpx.AsyncClient(timeout=600, limits=FRESH_CONNECTIONS) as client:
         await stream_chat(client, base, prompts[-1], 16, schema)  # warm-up (and the grammar's compile)
         outs = [await stream_chat(client, base, prompts[i % len(prompts)], max_tokens, schema)
                 for i in range(runs)]
@@ -92,8 +98,7 @@ async def batch1(base: str, prompts, max_tokens: int, schema: dict | None, runs:
 
 async def serving(base: str, prompts, n: int, rate: float, max_tokens: int, seed: int = 0) -> dict:
     arrivals = np.concatenate([[0.0], np.cumsum(np.random.default_rng(seed).exponential(1 / rate, n - 1))])
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=900, limits=FRESH_CONNECTIONS) as client:
         await stream_chat(client, base, prompts[-1], 16)  # warm-up
         t0 = time.perf_counter()
 

@@ -252,13 +252,13 @@ def main():
     from srt.model_executor.model_loader import resolve_model_path
     from srt.model_executor.model_runner import cpu_has_native_bf16
 
-    # auto is passed on as the server takes it: a 4-bit GGUF is then served in its codes.
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if cpu_has_native_bf16() else "float32")
     extra = dict(kv.split("=") for kv in args.server_args.split(",") if kv)
     extra = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in extra.items()}
     print(f"cpu={machine_floor.cpu_model()} flags={machine_floor.cpu_flags()} dtype={dtype} "
           f"threads={torch.get_num_threads()} {extra}", flush=True)
     extra.setdefault("speculative_algorithm", "NGRAM")  # the config to toggle must exist
+    # --dtype as the server takes it (auto: what it serves; the weights line says which).
     sched = step_breakdown.make_scheduler(resolve_model_path(None), args.dtype, MAX_RUNNING, **extra)
     spec_config = sched.spec_config
     weights = "the GGUF's 4-bit codes" if sched.runner.gguf_int4 else "dense"

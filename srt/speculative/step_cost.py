@@ -45,9 +45,6 @@ class StepCostTable:
         self._seconds.clear()
         self._rows.clear()
 
-    def measured(self, rows: int) -> bool:
-        return rows in self._seconds
-
     def cost(self, rows: int) -> float:
         """Seconds (measured, or estimated from measured ones), else the flat model's units."""
         known = self._rows

@@ -18,8 +18,9 @@ from sampling.verify_batch import expand_for_verify, verify_rows
 from srt.scheduler.req import Req
 from srt.speculative.drafter import GrammarWalk, allowed
 from srt.speculative.ngram import NgramIndex
-from srt.speculative.draft_plan import DraftAsk, plan_draft_lengths
+from srt.speculative.draft_plan import DraftAsk, expected_end, plan_draft_lengths
 from srt.speculative.spec_state import PROBE_EVERY, PROBE_TOKENS, SpecConfig, SpecState, best_draft_length
+from srt.speculative import step_cost
 from srt.speculative.step_cost import StepCostTable
 from test_sampler_statistics import assert_fits, make_info, reference_probs
 
@@ -90,6 +91,33 @@ def test_the_plan_weighs_every_request_against_the_steps_cost():
     assert plan_draft_lengths([DraftAsk(0.9, 8)], 1, 0, jump) == [0]  # no rows left
 
 
+def test_a_closed_batch_drafts_only_where_its_end_comes_sooner():
+    flat = _flat(0.12)
+    # Nothing waiting, four requests of equal length: one sure copy ending early saves only
+    # a row of the steps after it; the rows it rides on slow the other three.
+    sure, guess = DraftAsk(0.9, 8, 100), DraftAsk(0.2, 8, 100)
+    assert plan_draft_lengths([sure, guess, guess, guess], 4, 8, flat, closed_tail=0) == [0] * 4
+    assert plan_draft_lengths([sure, guess, guess, guess], 4, 8, flat)[0] > 0  # requests wait
+    # the request that ends last drafts (its gain brings the batch's end nearer) ...
+    long_sure, short = DraftAsk(0.9, 8, 100), DraftAsk(0.9, 8, 20)
+    lengths = plan_draft_lengths([long_sure, short], 2, 8, flat, closed_tail=0)
+    assert lengths[0] > 0 and lengths[1] == 0
+    # ... unless a request that does not draft ends later still
+    assert plan_draft_lengths([long_sure, short], 3, 8, flat, closed_tail=150) == [0, 0]
+    # all equally sure and equally long: every one drafts, or the end does not move
+    lengths = plan_draft_lengths([DraftAsk(0.95, 8, 100)] * 4, 4, 8, flat, closed_tail=0)
+    assert min(lengths) >= 1
+    # the batch's end: one request's expected gain; tied requests only if all are kept
+    assert expected_end([DraftAsk(0.5, 3, 10)], [3], 0) == pytest.approx(10 - 0.5 - 0.25 - 0.125)
+    assert expected_end([DraftAsk(0.5, 1, 10)] * 2, [1, 1], 0) == pytest.approx(10 - 0.25)
+    assert expected_end([DraftAsk(0.5, 1, 10)] * 2, [1, 0], 0) == 10
+    assert expected_end([DraftAsk(0.9, 4, 10)], [4], 12) == 12  # a longer request does not draft
+    # one request alone: the same plan as the step's throughput gives
+    for rate in (0.2, 0.5, 0.9):
+        assert (plan_draft_lengths([DraftAsk(rate, 8, 50)], 1, 8, flat, closed_tail=0)
+                == plan_draft_lengths([DraftAsk(rate, 8, 50)], 1, 8, flat))
+
+
 def test_the_cost_table_measures_and_estimates():
     t = StepCostTable(0.1, measure=True)
     assert t.cost(5) == pytest.approx(1.4)  # nothing measured: the flat model
@@ -99,6 +127,12 @@ def test_the_cost_table_measures_and_estimates():
     assert t.cost(1) == pytest.approx(0.0125)
     assert t.cost(5) == pytest.approx(0.0125 + (0.030 - 0.0125) * 4 / 8)  # between two measured
     assert t.cost(12) == pytest.approx(0.030 * t.flat(12) / t.flat(9))  # past them: flat, scaled
+    t.observe(12, 0.020)  # noise put 12 rows below 9: never cheaper than 9 plus 3 flat rows
+    assert t.cost(12) == pytest.approx(0.030 * t.flat(12) / t.flat(9))
+    assert t.cost(10) >= t.cost(9) * t.flat(10) / t.flat(9) - 1e-12
+    for _ in range(step_cost.MAX_AGE):  # 9 and 12 rows not measured for long: forgotten
+        t.observe(1, 0.012)
+    assert t.cost(12) == pytest.approx(0.012 * t.flat(12))
     t.reset()
     assert t.cost(1) == pytest.approx(1.0)
     off = StepCostTable(0.1, measure=False)  # more than one rank: nothing measured

@@ -14,6 +14,8 @@ tokens and grammar state, and the samples go through the token agreement collect
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from sampling.logprobs import chosen_and_top
@@ -25,8 +27,9 @@ from srt.speculative.spec_state import SpecState
 
 
 class SpecStepMixin:
-    """Uses the scheduler's spec_config (None: off), step_cost, step_cost_compiled,
-    fast_forward, running_info, runner, tp, rank_info, step_stats, batch_log and vocab_size."""
+    """Uses the scheduler's spec_config (None: off), step_cost, step_cost_compiled, waiting,
+    running, grammar_manager, fast_forward, running_info, runner, tp, rank_info, step_stats,
+    batch_log and vocab_size."""
 
     def _draft_all(self, reqs: list[Req], max_extra: int, base_rows: int) -> None:
         """Draft the next tokens of ``reqs`` for the coming decode step: one plan for the
@@ -48,11 +51,12 @@ class SpecStepMixin:
             if req.grammar is None:  # no row planned beyond what the n-gram has to offer
                 limit = len(spec.index.propose(limit, cfg.min_match, cfg.max_match))
             if limit > 0:
-                asks.append(spec.ask(limit, match))
+                asks.append(spec.ask(limit, match, req.remaining_new_tokens()))
                 askers.append(req)
         if not asks:
             return
-        lengths = plan_draft_lengths(asks, base_rows, max_extra, self.step_cost.cost)
+        tail = self._closed_tail(reqs, askers)
+        lengths = plan_draft_lengths(asks, base_rows, max_extra, self.step_cost.cost, tail)
         for req, length in zip(askers, lengths):
             req.spec.planned(length)
             if length == 0:
@@ -64,6 +68,16 @@ class SpecStepMixin:
             spec.draft, spec.forced, spec.masks, spec.bonus = (draft.tokens, draft.forced,
                                                               draft.masks, draft.bonus)
             self.step_stats.spec_drafted_tokens += len(draft.tokens)
+
+    def _closed_tail(self, reqs: list[Req], askers: list[Req]) -> Optional[int]:
+        """None while requests wait to be admitted (the step's throughput is what counts);
+        else the most tokens a request of the batch (``reqs``: this step's) that does not
+        draft may still generate. Waiting and running lists are identical on every rank."""
+        if self.waiting or self.grammar_manager.grammar_queue:
+            return None
+        asking = {id(r) for r in askers}
+        return max((r.remaining_new_tokens() for r in self.running + reqs
+                    if id(r) not in asking and not r.finished), default=0)
 
     def _observe_decode_cost(self, rows: int, seconds: float) -> None:
         """A decode step's wall time, for the plan; measured again from the step in which

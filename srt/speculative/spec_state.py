@@ -74,17 +74,18 @@ class SpecState:
         b = self.bucket
         self.rates[b] = (1 - EMA) * self.rates[b] + EMA * (accepted / trials)
 
-    def ask(self, limit: int, match: int) -> DraftAsk:
+    def ask(self, limit: int, match: int, remaining: int = 0) -> DraftAsk:
         """What this request asks of the step's plan (draft_plan.py): its acceptance rate
         for a draft from a suffix match of ``match`` tokens (> 0; sets the draft's bucket)
-        and at most ``limit`` tokens. A request idle for ``probe_every`` steps asks for a
-        short probe at the prior rate, so a copy that starts later is still found."""
+        and at most ``limit`` tokens; ``remaining``: tokens it may still generate. A request
+        idle for ``probe_every`` steps asks for a short probe at the prior rate, so a copy
+        that starts later is still found."""
         self.bucket = min(match, MATCH_BUCKETS) - 1
         rate = self.rates[self.bucket]
         self.probing = self.idle_steps >= self.probe_every
         if self.probing:
-            return DraftAsk(max(rate, PRIOR_RATE), min(PROBE_TOKENS, limit))
-        return DraftAsk(rate, limit)
+            return DraftAsk(max(rate, PRIOR_RATE), min(PROBE_TOKENS, limit), remaining)
+        return DraftAsk(rate, limit, remaining)
 
     def planned(self, length: int) -> None:
         """The plan gave it ``length`` tokens. A probe doubles the wait before the next one

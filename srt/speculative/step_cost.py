@@ -19,6 +19,10 @@ import collections
 import statistics
 
 WINDOW = 8  # steps kept per row count (median: one slow step, a GC pause, moves nothing)
+# A row count not measured in this many steps is forgotten: a step's cost also depends on
+# its requests (context lengths, grammars), so an old figure misleads; the planner then
+# estimates it from the fresh ones, drafts, and so measures it again.
+MAX_AGE = 256
 
 
 class StepCostTable:
@@ -27,6 +31,8 @@ class StepCostTable:
         self.measure = measure
         self._seconds: dict[int, collections.deque] = {}
         self._rows: list[int] = []  # measured row counts, sorted
+        self._last: dict[int, int] = {}  # row count -> the step that last measured it
+        self._steps = 0
 
     def flat(self, rows: int) -> float:
         """The flat model: a one-row step costs 1."""
@@ -39,26 +45,38 @@ class StepCostTable:
             self._seconds[rows] = collections.deque(maxlen=WINDOW)
             bisect.insort(self._rows, rows)
         self._seconds[rows].append(seconds)
+        self._steps += 1
+        self._last[rows] = self._steps
+        for old in [r for r in self._rows if self._last[r] < self._steps - MAX_AGE]:
+            del self._seconds[old], self._last[old]
+            self._rows.remove(old)
 
     def reset(self) -> None:
         """The step changed (the compiled graphs took over): measure again."""
         self._seconds.clear()
         self._rows.clear()
+        self._last.clear()
 
     def cost(self, rows: int) -> float:
-        """Seconds (measured, or estimated from measured ones), else the flat model's units."""
+        """Seconds (measured, or estimated from measured ones), else the flat model's units.
+        Never below a measured smaller step plus the flat model's rows in between: medians
+        taken at different times can put 6 rows below 4 on a noisy machine, and a planner
+        that believes rows are free drafts on any odds."""
         known = self._rows
         if not known:
             return self.flat(rows)
-        if rows in self._seconds:
-            return self._median(rows)
         i = bisect.bisect_left(known, rows)
-        if 0 < i < len(known):
+        if rows in self._seconds:
+            est = self._median(rows)
+        elif 0 < i < len(known):
             lo, hi = known[i - 1], known[i]
             t_lo, t_hi = self._median(lo), self._median(hi)
-            return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
-        near = known[0] if i == 0 else known[-1]
-        return self._median(near) * self.flat(rows) / self.flat(near)
+            est = t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
+        else:
+            near = known[0] if i == 0 else known[-1]
+            est = self._median(near) * self.flat(rows) / self.flat(near)
+        floor = max((self._median(m) * self.flat(rows) / self.flat(m) for m in known[:i]), default=0.0)
+        return max(est, floor)
 
     def _median(self, rows: int) -> float:
         return statistics.median(self._seconds[rows])

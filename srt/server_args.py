@@ -77,7 +77,7 @@ class ServerArgs:
     # Constrained generation
     grammar_backend: str = _f("auto", "Grammar backend: auto (default: xgrammar, and per request llguidance for specs xgrammar rejects or only approximates, such as oneOf), xgrammar, llguidance, none (reject constraints), or a name registered with register_grammar_backend (see --grammar-backend-plugins).")
     logprobs_mode: str = _f("processed_logprobs", "What returned logprobs describe: processed_logprobs, the distribution the token was drawn from (after penalties, grammar mask, logit bias and temperature); raw_logprobs, the model's own (vLLM's flag).", ["processed_logprobs", "raw_logprobs"])
-    speculative_algorithm: Optional[str] = _f(None, "Speculative decoding (SGLang's flag; docs/speed.md 'Speculative decoding'): NGRAM drafts a request's next tokens from its own prompt and output (the longest recent suffix seen before, and what followed it), cut where its grammar forbids one, and each decode step verifies them exactly as extra rows. Default: off.", ["NGRAM"])
+    speculative_algorithm: Optional[str] = _f("auto", "Speculative decoding (SGLang's flag; docs/speed.md 'Speculative decoding'): NGRAM drafts a request's next tokens from its own prompt and output (the longest recent suffix seen before, and what followed it), cut where its grammar forbids one, and each decode step verifies them exactly as extra rows; a step drafts only where its plan expects a gain. auto (the default): NGRAM on CPU with one pipeline stage and dense or torchao weights; off where a GGUF's 4-bit codes are served (a verify step's rows would read other numerics), with --pp-size > 1 (not built) and on CUDA (not measured yet). none: off.", ["auto", "NGRAM", "none"])
     speculative_num_draft_tokens: int = _f(8, "NGRAM: most tokens drafted per request per step (the draft is sized below this by the request's acceptance so far).")
     speculative_ngram_min_match_window_size: int = _f(1, "NGRAM: shortest suffix of the request's tokens that counts as a match (SGLang's flag).")
     speculative_ngram_max_match_window_size: int = _f(12, "NGRAM: longest suffix tried first (SGLang's flag).")
@@ -126,7 +126,7 @@ class ServerArgs:
             if not all(p.strip().isdigit() and int(p) > 0 for p in parts) or len(parts) != self.pp_size:
                 raise ValueError(f"--pp-layer-partition must be {self.pp_size} positive layer counts, "
                                  f"one per stage (e.g. 16,14), got {self.pp_layer_partition!r}")
-        if self.pp_size > 1 and self.speculative_algorithm is not None:
+        if self.pp_size > 1 and self.speculative_algorithm == "NGRAM":
             raise ValueError("--speculative-algorithm is not supported with --pp-size > 1 yet")
 
     def __post_init__(self):

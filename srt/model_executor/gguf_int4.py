@@ -55,7 +55,7 @@ def gguf_int4_choice(args: ServerArgs, model_dir: str, device: str, model: nn.Mo
         return False, "the file's 4-bit codes run on torch's CPU int4 kernel; on CUDA they are dequantized"
     if not (int4_supported() and int8_supported()):
         return False, "this torch has no CPU int4 / int8 kernel"
-    if args.speculative_algorithm:  # a verify step's rows must compute what plain steps compute
+    if args.speculative_algorithm == "NGRAM":  # a verify step's rows compute what plain steps do
         return False, ("--speculative-algorithm given: drafts are verified in steps of several rows, "
                        "which read the dequantized weights, so every step is served dense")
     if model.has_experts or model.is_hybrid:

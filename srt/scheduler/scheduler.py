@@ -41,7 +41,7 @@ from srt.mem_cache.state_checkpoints import StateCheckpoints
 from srt.model_executor.hybrid_limits import hybrid_serving_args
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
-from srt.speculative.spec_state import spec_config_from_args
+from srt.speculative.spec_state import auto_off_reason, spec_config_from_args
 from srt.speculative.step_cost import StepCostTable
 
 logger = logging.getLogger(__name__)
@@ -102,8 +102,13 @@ class Scheduler(BatchStepMixin):
         self.fast_forward = not server_args.disable_grammar_fast_forward
         graph = r.compiled_decode or r.cuda_graph_runner
         self.decode_row_limit = graph.max_bs if graph is not None else server_args.torch_compile_max_bs
-        # --speculative-algorithm NGRAM: requests draft tokens the next decode step verifies.
-        self.spec_config = spec_config_from_args(server_args, r.device)
+        # --speculative-algorithm (NGRAM; auto, the default, where exact): requests draft
+        # tokens the next decode step verifies.
+        self.spec_config = spec_config_from_args(server_args, r.device, r.gguf_int4)
+        if server_args.speculative_algorithm == "auto" and rank_info.is_entry_rank:
+            why = auto_off_reason(server_args, r.device, r.gguf_int4)
+            logger.info("%s speculative decoding (auto): %s", rank_info.log_prefix,
+                        f"off, {why}; --speculative-algorithm NGRAM forces it" if why else "NGRAM")
         # What its decode steps cost per row count: measured where this rank is alone.
         self.step_cost = (StepCostTable(self.spec_config.row_cost, measure=self.ctrl.is_single)
                           if self.spec_config is not None else None)

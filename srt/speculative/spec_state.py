@@ -103,11 +103,27 @@ def best_draft_length(rate: float, limit: int, row_cost: float) -> int:
     return plan_draft_lengths([DraftAsk(rate, limit)], 1, limit, lambda rows: 1.0 + row_cost * (rows - 1))[0]
 
 
-def spec_config_from_args(args, device: str) -> Optional[SpecConfig]:
-    """The scheduler's settings, or None with speculation off."""
+def auto_off_reason(args, device: str, int4_codes: bool) -> Optional[str]:
+    """Why ``--speculative-algorithm auto`` leaves speculation off here (None: it is on)."""
+    if int4_codes:
+        return "the GGUF's 4-bit codes are served (verify rows would read the dense weights)"
+    if args.pp_size > 1:
+        return "--pp-size > 1 (not built)"
+    if not device.startswith("cpu"):
+        return "not measured on CUDA yet"
+    return None
+
+
+def spec_config_from_args(args, device: str, int4_codes: bool) -> Optional[SpecConfig]:
+    """The scheduler's settings, or None with speculation off. ``auto`` (the default) is
+    NGRAM where it is exact and measured: CPU, one pipeline stage, and weights whose verify
+    rows compute what a plain step computes (not a GGUF's 4-bit codes, ``int4_codes``)."""
     from srt import environ
 
-    if args.speculative_algorithm is None:
+    algorithm = args.speculative_algorithm
+    if algorithm == "auto":
+        algorithm = None if auto_off_reason(args, device, int4_codes) else "NGRAM"
+    if algorithm in (None, "none"):
         return None
     return SpecConfig(num_draft_tokens=args.speculative_num_draft_tokens,
                       min_match=args.speculative_ngram_min_match_window_size,

@@ -308,3 +308,24 @@ def test_outlines_drafts_stay_within_its_rollback(smollm2_tokenizer):
     draft = GrammarWalk(r, 64, cfg, VOCAB, force=True).run()
     assert 20 <= len(draft.tokens) < MAX_ROLLBACK
     assert torch.equal(_mask(g), before)
+
+
+def test_auto_speculation_is_on_where_verify_rows_compute_what_plain_steps_do():
+    from srt.server_args import ServerArgs
+    from srt.speculative.spec_state import auto_off_reason, spec_config_from_args
+
+    auto = ServerArgs(model_path="m")
+    assert auto.speculative_algorithm == "auto"  # the default
+    assert spec_config_from_args(auto, "cpu", int4_codes=False) is not None
+    assert auto_off_reason(auto, "cpu", int4_codes=False) is None
+    # a GGUF's 4-bit codes at one row, dense weights in verify rows: other numerics
+    assert spec_config_from_args(auto, "cpu", int4_codes=True) is None
+    assert "4-bit codes" in auto_off_reason(auto, "cpu", int4_codes=True)
+    assert spec_config_from_args(ServerArgs(model_path="m", pp_size=2), "cpu", False) is None
+    assert spec_config_from_args(auto, "cuda:0", int4_codes=False) is None  # not measured
+    for off in ("none", None):
+        assert spec_config_from_args(ServerArgs(model_path="m", speculative_algorithm=off), "cpu", False) is None
+    forced = ServerArgs(model_path="m", speculative_algorithm="NGRAM")
+    assert spec_config_from_args(forced, "cpu", int4_codes=False).num_draft_tokens == 8
+    with pytest.raises(ValueError, match="not supported with --pp-size"):
+        ServerArgs(model_path="m", speculative_algorithm="NGRAM", pp_size=2)

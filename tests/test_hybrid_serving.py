@@ -159,7 +159,9 @@ def test_speculation_rolls_back_rejected_drafts_exactly(tiny_hybrid_dir, smollm2
     while drafts are accepted in part (the slot rolled back to the last kept row's state),
     with a JSON-schema request among them (fast-forward rows and drafts together). Each
     prompt is P + (P's answer) + P: the drafter proposes the old answer, and the random
-    model follows it for a few tokens, then not (a forced partial acceptance)."""
+    model follows it for a few tokens, then not (a forced partial acceptance). Four run at once
+    and the fifth waits: an open batch, whose drafts the step's throughput plans (a closed
+    one drafts only for its longest request, draft_plan.py)."""
     tok = smollm2_tokenizer
     prompts = [tuple(tok(p)["input_ids"]) for p in _prompts(tok)[:4]]
     looped = [p + tuple(a) + p for p, a in zip(prompts, alone)]
@@ -167,10 +169,10 @@ def test_speculation_rolls_back_rejected_drafts_exactly(tiny_hybrid_dir, smollm2
     schema = dict(temperature=0, max_new_tokens=80, json_schema=json.dumps(SCHEMA))
 
     def run(spec):
-        s = make_scheduler(tiny_hybrid_dir, tok, max_total_tokens=4096, max_running_requests=8,
+        s = make_scheduler(tiny_hybrid_dir, tok, max_total_tokens=4096, max_running_requests=4,
                            speculative_algorithm="NGRAM" if spec else None)
-        reqs = [TokenizedGenerateReq(f"p{i}", ids, greedy) for i, ids in enumerate(looped)]
-        reqs.append(req(tok, "json", "A person as JSON:", **schema))
+        reqs = [req(tok, "json", "A person as JSON:", **schema)]
+        reqs += [TokenizedGenerateReq(f"p{i}", ids, greedy) for i, ids in enumerate(looped)]
         outs = run_until_done(s, {0: reqs})
         s.grammar_manager.backend.shutdown()
         return {rid: o["ids"] for rid, o in outs.items()}, s

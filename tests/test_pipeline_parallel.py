@@ -114,7 +114,9 @@ def test_json_schema_with_fast_forward_equals_tp1(pp_server, tp1):
     assert got["meta_info"]["finish_reason"]["type"] == "stop", got
     jsonschema.validate(json.loads(got["text"]), PERSON_SCHEMA)
     assert got["output_ids"] == want["output_ids"]
-    assert got["meta_info"]["fast_forward_tokens"] == want["meta_info"]["fast_forward_tokens"] > 0
+    # Both fast-forward, but not the same count: the TP=1 reference speculates (auto, the
+    # default) and takes some forced tokens inside its drafts; PP does not speculate.
+    assert got["meta_info"]["fast_forward_tokens"] > 0 and want["meta_info"]["fast_forward_tokens"] > 0
     assert any(" FORCED " in ln for ln in _entry_log(pp_server))
 
 

@@ -314,18 +314,23 @@ def test_auto_speculation_is_on_where_verify_rows_compute_what_plain_steps_do():
     from srt.server_args import ServerArgs
     from srt.speculative.spec_state import auto_off_reason, spec_config_from_args
 
+    f32, bf16 = torch.float32, torch.bfloat16
     auto = ServerArgs(model_path="m")
     assert auto.speculative_algorithm == "auto"  # the default
-    assert spec_config_from_args(auto, "cpu", int4_codes=False) is not None
-    assert auto_off_reason(auto, "cpu", int4_codes=False) is None
+    assert spec_config_from_args(auto, "cpu", int4_codes=False, dtype=f32) is not None
+    assert auto_off_reason(auto, "cpu", int4_codes=False, dtype=f32) is None
     # a GGUF's 4-bit codes at one row, dense weights in verify rows: other numerics
-    assert spec_config_from_args(auto, "cpu", int4_codes=True) is None
-    assert "4-bit codes" in auto_off_reason(auto, "cpu", int4_codes=True)
-    assert spec_config_from_args(ServerArgs(model_path="m", pp_size=2), "cpu", False) is None
-    assert spec_config_from_args(auto, "cuda:0", int4_codes=False) is None  # not measured
+    assert spec_config_from_args(auto, "cpu", int4_codes=True, dtype=f32) is None
+    assert "4-bit codes" in auto_off_reason(auto, "cpu", int4_codes=True, dtype=f32)
+    # bf16: a verify step's rows round differently (bench_spec saw greedy outputs change)
+    assert spec_config_from_args(auto, "cpu", int4_codes=False, dtype=bf16) is None
+    assert "runs in bfloat16" in auto_off_reason(auto, "cpu", int4_codes=False, dtype=bf16)
+    assert spec_config_from_args(ServerArgs(model_path="m", pp_size=2), "cpu", False, f32) is None
+    assert spec_config_from_args(auto, "cuda:0", int4_codes=False, dtype=f32) is None  # not measured
     for off in ("none", None):
-        assert spec_config_from_args(ServerArgs(model_path="m", speculative_algorithm=off), "cpu", False) is None
+        assert spec_config_from_args(ServerArgs(model_path="m", speculative_algorithm=off), "cpu", False, f32) is None
     forced = ServerArgs(model_path="m", speculative_algorithm="NGRAM")
-    assert spec_config_from_args(forced, "cpu", int4_codes=False).num_draft_tokens == 8
+    assert spec_config_from_args(forced, "cpu", int4_codes=False, dtype=f32).num_draft_tokens == 8
+    assert spec_config_from_args(forced, "cpu", int4_codes=False, dtype=bf16) is not None  # asked for: served
     with pytest.raises(ValueError, match="not supported with --pp-size"):
         ServerArgs(model_path="m", speculative_algorithm="NGRAM", pp_size=2)

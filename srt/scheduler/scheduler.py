@@ -104,9 +104,9 @@ class Scheduler(BatchStepMixin):
         self.decode_row_limit = graph.max_bs if graph is not None else server_args.torch_compile_max_bs
         # --speculative-algorithm (NGRAM; auto, the default, where exact): requests draft
         # tokens the next decode step verifies.
-        self.spec_config = spec_config_from_args(server_args, r.device, r.gguf_int4)
+        self.spec_config = spec_config_from_args(server_args, r.device, r.gguf_int4, r.dtype)
         if server_args.speculative_algorithm == "auto" and rank_info.is_entry_rank:
-            why = auto_off_reason(server_args, r.device, r.gguf_int4)
+            why = auto_off_reason(server_args, r.device, r.gguf_int4, r.dtype)
             logger.info("%s speculative decoding (auto): %s", rank_info.log_prefix,
                         f"off, {why}; --speculative-algorithm NGRAM forces it" if why else "NGRAM")
         # What its decode steps cost per row count: measured where this rank is alone.

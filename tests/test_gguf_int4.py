@@ -139,7 +139,7 @@ def test_the_default_serves_the_codes_within_half_a_percent_of_bf16(smollm2_dir,
     assert dense is None or (isinstance(dense, torch.Tensor) and dense.dtype == torch.bfloat16), type(dense)
     want, want_out = perplexity(bf16, ids), greedy(bf16, prompts, 16, "bf16")
     del bf16
-    exact = perplexity(_scheduler(smollm2_dir, smollm2_tokenizer, "float32"), ids)  # dequantized, unrounded
+    exact = perplexity(_scheduler(smollm2_dir, smollm2_tokenizer, "float32"), ids)  # dequantized exactly
     with caplog.at_level(logging.INFO):
         q = _scheduler(smollm2_dir, smollm2_tokenizer, "auto")
     assert "weights: the GGUF's own 4-bit codes, int8 LM head" in caplog.text
@@ -154,8 +154,9 @@ def test_the_default_serves_the_codes_within_half_a_percent_of_bf16(smollm2_dir,
     print(f"perplexity bf16-dequantized {want:.4f} fp32-dequantized {exact:.4f} gguf int4 {got:.4f} "
           f"({got / want - 1:+.3%}, {got / exact - 1:+.3%}); greedy agreement {agreement(out, want_out):.3f}")
     # Within 0.5% of the file dequantized exactly (fp32), and no more than 0.5% above the bf16
-    # dequantization, which itself sits 0.3-0.4% above the exact one: the codes, unrounded, came
-    # out 0.54% below it on an AVX512-BF16 EPYC (2026-12-04), 0.36% below on AVX2.
+    # dequantization, which itself sits 0.3-0.4% above the exact one: the codes (the file's 4-bit
+    # values, only the scales rounded to bf16) came out 0.54% below it on an AVX512-BF16 EPYC
+    # (2026-12-04), 0.36% below on AVX2.
     assert got != want and abs(got / exact - 1) < 0.005 and got / want - 1 < 0.005, (got, want, exact)
     assert [len(o) for o in out] == [16] * 4
 

@@ -103,12 +103,12 @@ def best_draft_length(rate: float, limit: int, row_cost: float) -> int:
     return plan_draft_lengths([DraftAsk(rate, limit)], 1, limit, lambda rows: 1.0 + row_cost * (rows - 1))[0]
 
 
-def auto_off_reason(args, device: str, int4_codes: bool, dtype) -> Optional[str]:
-    """Why ``--speculative-algorithm auto`` leaves speculation off here (None: it is on).
-    ``dtype``: the model's (torch.dtype)."""
+def auto_off_reason(args, device: str, int4_codes: bool, dtype: torch.dtype) -> Optional[str]:
+    """Why ``--speculative-algorithm auto`` leaves speculation off here (None: it is on);
+    ``dtype`` is the model's."""
     if int4_codes:
         return "the GGUF's 4-bit codes are served (verify rows would read the dense weights)"
-    if str(dtype) != "torch.float32":  # bench_spec, 2026-12-04: chat bs=1 differed at token 36
+    if dtype != torch.float32:  # bench_spec, 2026-12-04: chat bs=1 differed at token 36
         return (f"the model runs in {str(dtype).removeprefix('torch.')}, where a verify step's rows "
                 "round differently from a plain step's, so greedy outputs could change")
     if args.pp_size > 1:
@@ -118,7 +118,7 @@ def auto_off_reason(args, device: str, int4_codes: bool, dtype) -> Optional[str]
     return None
 
 
-def spec_config_from_args(args, device: str, int4_codes: bool, dtype) -> Optional[SpecConfig]:
+def spec_config_from_args(args, device: str, int4_codes: bool, dtype: torch.dtype) -> Optional[SpecConfig]:
     """The scheduler's settings, or None with speculation off. ``auto`` (the default) is
     NGRAM where it is exact and measured: CPU, one pipeline stage, an fp32 model (``dtype``)
     and weights whose verify rows compute what a plain step computes (not a GGUF's 4-bit

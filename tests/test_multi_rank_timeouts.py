@@ -15,6 +15,7 @@ import pytest
 from conftest import _launch_server
 
 
+LONG = 7000  # new tokens asked for by every request meant to time out (the model's limit: 8,192)
 LAYOUTS = {"tp2": (["--tp-size", "2"], ("DP0_TP0", "DP0_TP1")),
            "pp2": (["--pp-size", "2"], ("DP0_PP0_TP0", "DP0_PP1_TP0"))}
 
@@ -25,7 +26,10 @@ def timeout_server(request, tmp_path_factory, tiny_dir):
     flags, ranks = LAYOUTS[request.param]
     log_dir = str(tmp_path_factory.mktemp("batches"))
     env = {"SGLANG_REQ_RUNNING_TIMEOUT": "3", "GRAMSYNC_BATCH_LOG_DIR": log_dir}
-    for base in _launch_server(tmp_path_factory, tiny_dir, flags, env):
+    # A pool for every request of a test at once, each long enough that none can end in the
+    # 3 s, even alone and with speculation's drafts (the tiny model decodes >1,000 tokens/s).
+    pool = ["--max-total-tokens", str(14 * (LONG + 64))]
+    for base in _launch_server(tmp_path_factory, tiny_dir, [*flags, *pool], env):
         yield base, log_dir, ranks
 
 
@@ -45,7 +49,7 @@ def test_running_timeout_aborts_on_every_rank(timeout_server):
         return httpx.post(base + "/generate", json=body, timeout=120)
 
     with cf.ThreadPoolExecutor(3) as pool:
-        long = pool.submit(generate, "too-long", 4000)
+        long = pool.submit(generate, "too-long", LONG)
         short = [pool.submit(generate, f"short-{i}", 4) for i in range(2)]
         results = [f.result() for f in short]
         aborted = long.result()
@@ -64,8 +68,8 @@ def test_running_timeout_aborts_on_every_rank(timeout_server):
 
 
 TIMEOUT_MESSAGE = "SGLANG_REQ_RUNNING_TIMEOUT"
-# Every request of the test runs at once: 13 scheduler requests x (prompt + 250) < the pool.
-TIMED = {"max_new_tokens": 250, "ignore_eos": True}
+# Every request of the test runs at once: 13 scheduler requests x (prompt + LONG) < the pool.
+TIMED = {"max_new_tokens": LONG, "ignore_eos": True}
 
 
 def _native(base: str, body: dict) -> tuple[int, list]:
@@ -83,9 +87,9 @@ def _openai(base: str, kind: str, stream: bool, **kw):
     try:
         if kind == "chat":
             out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "A story."}],
-                                                 max_tokens=250, stream=stream, extra_body={"ignore_eos": True}, **kw)
+                                                 max_tokens=LONG, stream=stream, extra_body={"ignore_eos": True}, **kw)
         else:
-            out = client.completions.create(model="m", prompt="Once upon a time", max_tokens=250, stream=stream,
+            out = client.completions.create(model="m", prompt="Once upon a time", max_tokens=LONG, stream=stream,
                                             extra_body={"ignore_eos": True}, **kw)
         list(out) if stream else None
     except openai.APIError as e:

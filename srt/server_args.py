@@ -53,7 +53,7 @@ class ServerArgs:
     # Memory and scheduling
     max_total_tokens: Optional[int] = _f(None, "KV-cache pool size in tokens (default: from --mem-fraction-static).")
     mem_fraction_static: Optional[float] = _f(None, "Fraction of free memory for the KV cache (default: 0.85 on CUDA, 0.1 of RAM on CPU).")
-    max_running_requests: int = _f(64, "Maximum requests decoding at once.")
+    max_running_requests: int = _f(64, "Maximum requests decoding at once (on a small CPU, 4 to 8 bound the gap between tokens at some cost in throughput and waiting: docs/speed.md 'Running batch size on CPU').")
     max_mamba_cache_size: Optional[int] = _f(None, "Hybrid Gated DeltaNet models (Qwen3.5, Qwen3-Next; SGLang's flag): recurrent-state slots in all, one per running request plus the radix cache's state checkpoints; each costs one request's state (docs/models.md 'Hybrid models'). Default: 3 x --max-running-requests with the radix cache, else --max-running-requests.")
     max_queued_requests: Optional[int] = _f(None, "Most requests waiting to run (queued or compiling their grammar) per DP group; past it a new request gets 503 at once (SGLang's flag; default: unbounded).")
     chunked_prefill_size: Optional[int] = _f(None, "Most prompt tokens prefilled in one step while requests are decoding: a longer prompt is split into chunks, with a decode step for the running requests after each (with none running, a step takes up to --max-prefill-tokens). -1 disables. Default: 256 on CPU, 8192 on CUDA (docs/speed.md 'Chunked prefill').")

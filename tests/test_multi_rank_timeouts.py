@@ -27,7 +27,7 @@ def timeout_server(request, tmp_path_factory, tiny_dir):
     log_dir = str(tmp_path_factory.mktemp("batches"))
     env = {"SGLANG_REQ_RUNNING_TIMEOUT": "3", "GRAMSYNC_BATCH_LOG_DIR": log_dir}
     # A pool for every request of a test at once, each long enough that none can end in the
-    # 3 s, even alone and with speculation's drafts (the tiny model decodes >1,000 tokens/s).
+    # 3 s, even alone and with speculation's drafts (CI saw a request of 250 tokens end inside them).
     pool = ["--max-total-tokens", str(14 * (LONG + 64))]
     for base in _launch_server(tmp_path_factory, tiny_dir, [*flags, *pool], env):
         yield base, log_dir, ranks

@@ -133,6 +133,7 @@ def test_cpu_int4_model_builds_a_package_that_matches_its_eager_step(tiny_dir, t
     pytest.importorskip("torchao")
     from distributed.parallel_state import SINGLE_RANK, RankInfo
     from srt.layers.cpu_int8_linear import Int8Weight
+    from srt.layers.cpu_qgemv import SmallBatchQuantized
     from srt.model_executor.model_config import ModelConfig
     from srt.model_executor.model_runner import ModelRunner
     from srt.server_args import ServerArgs, parse_model_overrides
@@ -143,7 +144,8 @@ def test_cpu_int4_model_builds_a_package_that_matches_its_eager_step(tiny_dir, t
                       torchao_config="int4wo-32")
     runner = ModelRunner(args, ModelConfig.from_path(tiny_dir, None, parse_model_overrides(overrides)),
                          RankInfo(), SINGLE_RANK)
-    assert isinstance(runner.model.lm_head.packed_weight, Int8Weight)
+    head = runner.model.lm_head.packed_weight
+    assert isinstance(head, SmallBatchQuantized) and isinstance(head.quantized, Int8Weight)  # fp32: torch's
     packages = DecodePackages(str(tmp_path), runner.attn_backend, "[test]")
     with torch.inference_mode():
         run = packages.load_or_build(runner.model, _batch(_pool(runner, 256, 0), 1, 64), 1, 1,

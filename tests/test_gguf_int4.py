@@ -64,14 +64,17 @@ def test_rows_in_no_known_order_are_refused():
                                 {"attn_q": 2, "attn_k": 2}) is None
 
 
-@pytest.mark.parametrize("tp_rank", [0, 1])
-def test_each_tp_shard_holds_its_slice_of_the_codes(smollm2_dir, tp_rank):
+@pytest.mark.parametrize("tp_rank,gemv", [(0, "1"), (1, "1"), (0, "0")])
+def test_each_tp_shard_holds_its_slice_of_the_codes(smollm2_dir, tp_rank, gemv, monkeypatch):
     """TP=2 (9 query heads padded to 10): every layer's int4 weight, read back through the
-    kernel, is the rank's slice of the dense weight."""
+    kernel, is the rank's slice of the dense weight; with ``GRAMSYNC_CPU_GEMV=0`` (or a CPU
+    without AVX512-BF16) torch's int4 kernel holds them."""
+    monkeypatch.setenv("GRAMSYNC_CPU_GEMV", gemv)
     from distributed.parallel_state import TPGroup
-    from srt.layers.cpu_int4_linear import Int4Weight, int4_linear
+    from srt.layers.cpu_int4_linear import Int4Weight
+    from srt.layers.cpu_qgemv import PanelInt4, qgemv_available, quantized_linear
     from srt.layers.linear import _TPLinear
-    from srt.model_executor.gguf_int4 import INT4_MAX_ROWS, load_gguf_int4
+    from srt.model_executor.gguf_int4 import INT4_MAX_ROWS, PANEL_INT4_MAX_ROWS, load_gguf_int4
     from srt.model_executor.model_config import ModelConfig
     from srt.model_executor.model_loader import load_model
 
@@ -82,10 +85,13 @@ def test_each_tp_shard_holds_its_slice_of_the_codes(smollm2_dir, tp_rank):
     assert load_gguf_int4(model, smollm2_dir, "[test]") == 30 * 4
     for name, m in layers.items():
         held = m.packed_weight
-        assert isinstance(held.int4, Int4Weight) and held.max_rows == INT4_MAX_ROWS, name
+        ours = isinstance(held.quantized, PanelInt4)  # our GEMV (AVX512-BF16), else torch's kernel
+        assert ours or isinstance(held.quantized, Int4Weight), name
+        assert ours == (gemv == "1" and qgemv_available()), name
+        assert held.max_rows == (PANEL_INT4_MAX_ROWS if ours else INT4_MAX_ROWS), name
         assert torch.equal(m.weight, dense[name])  # the dense rows stay for larger steps
         w = dense[name]
-        back = int4_linear(torch.eye(w.shape[1]), held.int4, None).T
+        back = quantized_linear(torch.eye(w.shape[1]), held.quantized, None).T
         assert back.shape == w.shape
         assert float((back - w).norm() / w.norm()) < 0.01, name
 
@@ -125,8 +131,9 @@ def _scheduler(model_dir, tokenizer, dtype):
 def test_the_default_serves_the_codes_within_half_a_percent_of_bf16(smollm2_dir, smollm2_tokenizer, caplog):
     from bench_offline import chat_prompts
     from bench_quant import TEXT, agreement, greedy, perplexity
-    from srt.layers.cpu_int4_linear import Int4Weight, SmallBatchInt4
+    from srt.layers.cpu_int4_linear import Int4Weight
     from srt.layers.cpu_int8_linear import Int8Weight
+    from srt.layers.cpu_qgemv import PanelInt4, PanelInt8, SmallBatchQuantized
     from srt.model_executor.gguf_int4 import codes_at_every_row
     from srt.tokenizer_utils import apply_chat_template
 
@@ -145,11 +152,12 @@ def test_the_default_serves_the_codes_within_half_a_percent_of_bf16(smollm2_dir,
     assert "weights: the GGUF's own 4-bit codes, int8 LM head" in caplog.text
     assert q.runner.gguf_int4 and q.runner._cpu_int4()
     held = q.runner.model.model.layers[0].self_attn.qkv_proj.packed_weight
-    assert isinstance(held, SmallBatchInt4) and isinstance(held.int4, Int4Weight)
+    assert isinstance(held, SmallBatchQuantized) and isinstance(held.quantized, (Int4Weight, PanelInt4))
     assert held.dense is not None  # eager here: the dense rows oneDNN-packed beside the codes
-    assert isinstance(q.runner.model.lm_head.packed_weight, Int8Weight)
+    head = q.runner.model.lm_head.packed_weight
+    assert isinstance(head, SmallBatchQuantized) and isinstance(head.quantized, (Int8Weight, PanelInt8))
     out = greedy(q, prompts, 16, "gguf")  # 4 rows a step: the codes
-    assert codes_at_every_row(q.runner.model) == 30 * 4  # the perplexity's prefill too
+    assert codes_at_every_row(q.runner.model) == 30 * 4 + 1  # the perplexity's prefill too (and the int8 head)
     got = perplexity(q, ids)
     print(f"perplexity bf16-dequantized {want:.4f} fp32-dequantized {exact:.4f} gguf int4 {got:.4f} "
           f"({got / want - 1:+.3%}, {got / exact - 1:+.3%}); greedy agreement {agreement(out, want_out):.3f}")
@@ -172,11 +180,11 @@ def test_the_compile_cache_is_keyed_by_the_weights(tmp_path):
 
 
 def test_a_few_rows_run_the_codes_and_more_rows_the_dense_weight(smollm2_dir):
-    """A GGUF's layer: steps of up to INT4_MAX_ROWS rows read the codes (the int4 kernel's
+    """A GGUF's layer: steps of up to its ``max_rows`` rows read the codes (the int4 kernel's
     rounding), larger ones the dequantized weight (fp32 exactly); both close to the file."""
-    from srt.layers.cpu_int4_linear import SmallBatchInt4, int4_linear
     from srt.layers.cpu_packed_linear import linear, pack_weight
-    from srt.model_executor.gguf_int4 import INT4_MAX_ROWS, load_gguf_int4
+    from srt.layers.cpu_qgemv import SmallBatchQuantized, quantized_linear
+    from srt.model_executor.gguf_int4 import load_gguf_int4
     from srt.model_executor.model_config import ModelConfig
     from srt.model_executor.model_loader import load_model
 
@@ -185,14 +193,15 @@ def test_a_few_rows_run_the_codes_and_more_rows_the_dense_weight(smollm2_dir):
     load_gguf_int4(model, smollm2_dir, "[test]")
     layer = model.model.layers[2].mlp.down_proj
     held = layer.packed_weight
-    x = torch.randn(INT4_MAX_ROWS + 1, layer.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    most = held.max_rows
+    x = torch.randn(most + 1, layer.weight.shape[1], generator=torch.Generator().manual_seed(0))
     dense = torch.nn.functional.linear(x, layer.weight)
-    few, many = linear(x[:INT4_MAX_ROWS], layer.weight, held), linear(x, layer.weight, held)
-    assert torch.equal(few, int4_linear(x[:INT4_MAX_ROWS], held.int4, None))
+    few, many = linear(x[:most], layer.weight, held), linear(x, layer.weight, held)
+    assert torch.equal(few, quantized_linear(x[:most], held.quantized, None))
     assert torch.equal(many, dense)
-    assert not torch.equal(few, dense[:INT4_MAX_ROWS])
-    assert float((few - dense[:INT4_MAX_ROWS]).norm() / dense.norm()) < 0.01
-    packed = SmallBatchInt4(held.int4, pack_weight(layer.weight), INT4_MAX_ROWS)  # an eager step's layout
+    assert not torch.equal(few, dense[:most])
+    assert float((few - dense[:most]).norm() / dense.norm()) < 0.01
+    packed = SmallBatchQuantized(held.quantized, pack_weight(layer.weight), most)  # an eager step's layout
     assert torch.allclose(linear(x, layer.weight, packed), dense, rtol=1e-4, atol=1e-4)
 
 

@@ -249,3 +249,10 @@ def test_small_batch_graphs_leave_the_cpp_gemm_template_out_only_for_bf16_withou
     assert not cd._has_dense_linear(layer)
     layer.packed_weight = Int4Weight(torch.zeros(1), torch.zeros(1), 32, 4)
     assert not cd._has_dense_linear(torch.nn.Sequential(layer, torch.nn.Linear(4, 4)))
+    from srt.layers.cpu_qgemv import SmallBatchQuantized
+
+    # Quantized in every small graph (up to 16 rows): no dense GEMM there; only in batch 1: dense.
+    layer.packed_weight = SmallBatchQuantized(layer.packed_weight, None, 16)
+    assert not cd._has_dense_linear(layer)
+    layer.packed_weight = SmallBatchQuantized(layer.packed_weight.quantized, None, 4)
+    assert cd._has_dense_linear(layer)

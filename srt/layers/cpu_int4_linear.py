@@ -57,12 +57,3 @@ def int4_from_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     scale_and_zero = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).transpose(0, 1).contiguous()
     return Int4Weight(qdata, scale_and_zero, group, codes.shape[0])
 
-
-class SmallBatchInt4(NamedTuple):
-    """A GGUF's own codes for steps of up to ``max_rows`` rows, its dequantized weight above
-    (srt/model_executor/gguf_int4.py): torch's int4 kernel is compute-bound, faster than the
-    fp32 weight read only at a few rows (SmolLM2's 120 matmuls, 2-vCPU AVX2: 0.73x our GEMV
-    at one row, 0.95x at 4, 2.15x at 16)."""
-    int4: Int4Weight
-    dense: torch.Tensor | None  # the oneDNN-packed dense weight of an eager step; None: the layer's own
-    max_rows: int

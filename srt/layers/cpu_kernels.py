@@ -1,11 +1,11 @@
 """Builds and loads gramsync's own CPU ops (namespace ``gramsync``) into this process.
 
-Two hand-written kernels, each where measurement showed the library path falls short, each
-checked against a torch reference: ``small_linear`` (cpu_gemv.cpp, the small-batch GEMV)
-and ``decode_attention`` (cpu_decode_attention.cpp, decode attention read in place from the
-KV pool). One library, built from source with the C++ compiler Inductor already needs
+Hand-written kernels, each where measurement showed the library path falls short, each
+checked against a torch reference: ``small_linear`` (cpu_gemv.cpp, the small-batch GEMV),
+``decode_attention`` (cpu_decode_attention.cpp, decode attention read in place from the
+KV pool), ``int4_linear`` and ``int8_linear`` (cpu_qgemv.cpp, quantized GEMVs). One library, built from source with the C++ compiler Inductor already needs
 (``torch.utils.cpp_extension``, ~10 s once per machine, kept under ``TORCH_EXTENSIONS_DIR``),
-so an AOTInductor package that calls either op finds both registered.
+so an AOTInductor package that calls any of the ops finds them all registered.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(_HERE, "cpu_gemv.cpp"), os.path.join(_HERE, "cpu_decode_attention.cpp")]
+SOURCES = [os.path.join(_HERE, name) for name in ("cpu_gemv.cpp", "cpu_decode_attention.cpp", "cpu_qgemv.cpp")]
 PANEL = 16  # the GEMV's weight rows per panel (cpu_gemv.pack_weight)
 LIBRARY = "gramsync_cpu_kernels"
 
@@ -67,6 +67,8 @@ def load_cpu_kernels() -> bool:
         return False
     torch.library.register_fake("gramsync::small_linear")(_small_linear_fake)
     torch.library.register_fake("gramsync::decode_attention")(_decode_attention_fake)
+    torch.library.register_fake("gramsync::int4_linear")(_int4_linear_fake)
+    torch.library.register_fake("gramsync::int8_linear")(_int8_linear_fake)
     return True
 
 
@@ -76,3 +78,11 @@ def _small_linear_fake(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
 
 def _decode_attention_fake(q, k, v, slots, valid, scaling):
     return q.new_empty(q.shape)
+
+
+def _int4_linear_fake(x: torch.Tensor, wp: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], wp.shape[0] * PANEL))
+
+
+def _int8_linear_fake(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], wp.shape[0] * PANEL))

@@ -19,8 +19,7 @@ import torch
 from srt.layers.cpu_gemv import small_linear, use_gemv
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from srt.layers.cpu_int4_linear import Int4Weight, SmallBatchInt4, int4_linear
-from srt.layers.cpu_int8_linear import Int8Weight, int8_linear
+from srt.layers.cpu_qgemv import QUANTIZED, SmallBatchQuantized, quantized_linear
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +48,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
     """The layers' matmul: the packed weight when there is one, except while torch.compile
     traces (Inductor packs the weight its own way, from the dense one); in a trace of a
     graph of up to 16 rows on CPU, the hand-written GEMV (cpu_gemv.py)."""
-    if isinstance(packed, Int4Weight):  # int4 on CPU: the same op eager and compiled
-        return int4_linear(x, packed, bias)
-    if isinstance(packed, SmallBatchInt4):  # a GGUF's codes up to a few rows (known when traced)
+    if isinstance(packed, SmallBatchQuantized):  # a GGUF's codes up to a few rows (known when traced)
         rows = x.numel() // x.shape[-1]
         if statically_known_true(rows <= packed.max_rows):
-            return int4_linear(x, packed.int4, bias)
+            return quantized_linear(x, packed.quantized, bias)
         packed = packed.dense
-    if isinstance(packed, Int8Weight):  # int8 LM head of an int4 model on CPU: likewise
-        return int8_linear(x, packed, bias)
+    if isinstance(packed, QUANTIZED):  # int4 / int8 on CPU: the same op eager and compiled
+        return quantized_linear(x, packed, bias)
     if packed is not None and not torch.compiler.is_compiling():
         return packed_linear(x, packed, bias)
     if use_gemv(x, weight):

@@ -11,7 +11,8 @@ import logging
 import torch
 from torch import nn
 
-from srt.layers.cpu_int4_linear import SmallBatchInt4, quantize_int4
+from srt.layers.cpu_int4_linear import quantize_int4
+from srt.layers.cpu_qgemv import SmallBatchQuantized
 from srt.layers.cpu_int8_linear import quantize_int8
 from srt.layers.cpu_packed_linear import pack_weight, packing_supported
 from srt.layers.linear import _TPLinear
@@ -24,7 +25,7 @@ def pack_linear_weights(model: nn.Module, dtype: torch.dtype, log_prefix: str) -
     """Give every linear layer and the LM head its weight packed. A linear layer's dense
     weight becomes a meta tensor (shape and dtype kept, no memory): only a compiled step or
     torchao would read it, and neither runs on a packed model. A GGUF's codes layer
-    (``SmallBatchInt4``) gets its dense rows packed beside them. The LM head keeps its dense
+    (``SmallBatchQuantized``) gets its dense rows packed beside them. The LM head keeps its dense
     weight (a tied embedding reads it). Returns the number of layers packed."""
     if not packing_supported(dtype):
         return 0
@@ -35,7 +36,7 @@ def pack_linear_weights(model: nn.Module, dtype: torch.dtype, log_prefix: str) -
         held = getattr(module, "packed_weight", None)
         if held is None:
             module.packed_weight = pack_weight(module.weight)
-        elif isinstance(held, SmallBatchInt4) and held.dense is None:  # a GGUF's codes: the dense rows
+        elif isinstance(held, SmallBatchQuantized) and held.dense is None:  # a GGUF's codes: the dense rows
             module.packed_weight = held._replace(dense=pack_weight(module.weight))
         else:
             continue  # int4 / int8 layers keep theirs
@@ -67,12 +68,23 @@ def quantize_model_int4(model: nn.Module, group: int, log_prefix: str, head: boo
 
 
 def quantize_head_int8(model: nn.Module, log_prefix: str) -> int:
-    """The LM head gets an ``Int8Weight`` in ``packed_weight``; its dense weight stays (a
-    tied embedding reads it). Returns the number of heads quantized (0 or 1 per rank)."""
-    count = 0
+    """The LM head gets int8 weights (one scale per row) for steps of up to
+    ``HEAD_INT8_MAX_ROWS`` rows, in a ``SmallBatchQuantized``: for our int8 GEMV
+    (cpu_qgemv.py) where the CPU runs it, else torch's kernel; its dense weight serves larger
+    steps (both int8 kernels turn compute-bound within a few rows: torch's took 51.6 ms at 64
+    rows where oneDNN's bf16 took 9.7) and a tied embedding. Returns the number of heads
+    quantized (0 or 1 per rank)."""
+    from srt.layers.cpu_qgemv import HEAD_INT8_MAX_ROWS, fits, pack_int8, qgemv_available
+
+    count, ours = 0, False
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
-            module.packed_weight = quantize_int8(module.weight)
+            q = quantize_int8(module.weight)
+            ours = qgemv_available() and fits(*module.weight.shape)
+            # The same bf16-rounded scales either way: the same weights.
+            module.packed_weight = SmallBatchQuantized(pack_int8(q.qdata, q.scales) if ours else q, None,
+                                                       HEAD_INT8_MAX_ROWS)
             count += 1
-    logger.info("%s int8 LM head (torch's CPU int8 kernel, one scale per row)", log_prefix)
+    logger.info("%s int8 LM head (%s, one scale per row) in steps of up to %d rows", log_prefix,
+                "gramsync's int8 GEMV" if ours else "torch's CPU int8 kernel", HEAD_INT8_MAX_ROWS)
     return count

@@ -26,7 +26,8 @@ import re
 import torch
 from torch import nn
 
-from srt.layers.cpu_int4_linear import SmallBatchInt4, int4_from_codes, int4_supported
+from srt.layers.cpu_int4_linear import int4_from_codes, int4_supported
+from srt.layers.cpu_qgemv import PanelInt4, SmallBatchQuantized, fits, pack_int4, qgemv_available
 from srt.layers.cpu_int8_linear import int8_supported
 from srt.layers.linear import _TPLinear
 from srt.layers.weight_packing import quantize_head_int8
@@ -37,9 +38,12 @@ logger = logging.getLogger(__name__)
 
 _UNSET = 255  # no code: a layer the file holds no Q4 codes for
 # Steps of up to this many rows run the codes (eager: every such step; compiled: the graphs
-# whose rows are known to be this few, i.e. batch 1); larger ones the dequantized weight,
-# which the int4 kernel only beats at a few rows (cpu_int4_linear.SmallBatchInt4).
+# whose rows are known to be this few); larger ones the dequantized weight. On torch's int4
+# kernel, compute-bound, that is batch 1 (cpu_qgemv.SmallBatchQuantized); our int4 GEMV
+# (cpu_qgemv.py, AVX512-BF16) reads the codes at the machine's rate, up to the 16 rows of
+# the small-batch graphs (docs/speed.md "Quantized GEMVs").
 INT4_MAX_ROWS = 4
+PANEL_INT4_MAX_ROWS = 16
 
 
 def gguf_int4_choice(args: ServerArgs, model_dir: str, device: str, model: nn.Module) -> tuple[bool, str]:
@@ -64,7 +68,7 @@ def gguf_int4_choice(args: ServerArgs, model_dir: str, device: str, model: nn.Mo
 
 
 def load_gguf_int4(model: nn.Module, model_dir: str, log_prefix: str) -> int:
-    """Give every decoder linear layer the file's codes (a ``SmallBatchInt4``: its dense
+    """Give every decoder linear layer the file's codes (a ``SmallBatchQuantized``: its dense
     weight stays for steps of more rows) and the LM head int8. Returns the number of linear
     layers. ValueError, with the model left as it was, where a
     layer has no Q4 codes in the file or its inputs are not whole groups."""
@@ -86,20 +90,27 @@ def load_gguf_int4(model: nn.Module, model_dir: str, log_prefix: str) -> int:
             scale, minv = (_through_loaders(model, names, hf_names,
                                             lambda n, p=part: _per_input(f.get_tensor(f"{n}.{p}")), torch.float32)
                            for part in ("scale", "min"))
+            ours = qgemv_available()
             for name in names:
-                weights[name] = _pack(codes[name], scale[name][:, ::GROUP], minv[name][:, ::GROUP])
+                weights[name] = _pack(codes[name], scale[name][:, ::GROUP], minv[name][:, ::GROUP], ours)
+    ours = all(isinstance(w, PanelInt4) for w in weights.values())
+    max_rows = PANEL_INT4_MAX_ROWS if ours else INT4_MAX_ROWS
     for name, m in linears.items():  # the dense weight stays for steps of more rows
-        m.packed_weight = SmallBatchInt4(weights[name], None, INT4_MAX_ROWS)
+        m.packed_weight = SmallBatchQuantized(weights[name], None, max_rows)
     quantize_head_int8(model, log_prefix)
-    logger.info("%s the GGUF's own 4-bit codes (group %d, torch's CPU int4 kernel) for %d linear layers "
-                "in steps of up to %d rows; the file dequantized above", log_prefix, GROUP, len(linears),
-                INT4_MAX_ROWS)
+    logger.info("%s the GGUF's own 4-bit codes (group %d, %s) for %d linear layers in steps of up to "
+                "%d rows; the file dequantized above", log_prefix, GROUP,
+                "gramsync's int4 GEMV" if ours else "torch's CPU int4 kernel", len(linears), max_rows)
     return len(linears)
 
 
-def _pack(codes: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor):
-    """torch's kernel: value = (code - 8) * scale + zero, bf16; the file's: scale * code + min."""
-    return int4_from_codes(codes, scale.to(torch.bfloat16), (minv + 8 * scale).to(torch.bfloat16), GROUP)
+def _pack(codes: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, ours: bool):
+    """The kernels' convention: value = (code - 8) * scale + zero, bf16; the file's: scale *
+    code + min. ``ours``: for our int4 GEMV (the same values), else torch's kernel."""
+    scale_bf16, zero_bf16 = scale.to(torch.bfloat16), (minv + 8 * scale).to(torch.bfloat16)
+    if ours and fits(*codes.shape):
+        return pack_int4(codes, scale_bf16, zero_bf16)
+    return int4_from_codes(codes, scale_bf16, zero_bf16, GROUP)
 
 
 def _layer_of(name: str) -> int:
@@ -137,11 +148,11 @@ def _through_loaders(model: nn.Module, linears: dict[str, _TPLinear], hf_names: 
 
 
 def codes_at_every_row(model: nn.Module) -> int:
-    """Let every step, of any row count, run the codes (eager steps only): to measure their
+    """Let every step, of any row count, run the codes and the int8 head (eager steps only): to measure their
     quality over a whole prefill (bench_quant.py, tests). Returns the layers changed."""
     count = 0
     for m in model.modules():
-        if isinstance(getattr(m, "packed_weight", None), SmallBatchInt4):
+        if isinstance(getattr(m, "packed_weight", None), SmallBatchQuantized):
             m.packed_weight = m.packed_weight._replace(max_rows=2**62)
             count += 1
     return count

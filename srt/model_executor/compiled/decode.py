@@ -86,12 +86,17 @@ def small_batch_options(dtype: torch.dtype, flags: list[str], dense: bool = True
 
 
 def _has_dense_linear(model: torch.nn.Module) -> bool:
-    """False where every linear layer runs a weight-only int4 / int8 kernel (CPU int4)."""
-    from srt.layers.cpu_int4_linear import Int4Weight
-    from srt.layers.cpu_int8_linear import Int8Weight
+    """False where every linear layer runs a weight-only int4 / int8 kernel (CPU int4) in
+    every graph of up to SMALL_BATCH_MAX rows."""
+    from srt.layers.cpu_qgemv import QUANTIZED, SmallBatchQuantized
+
+    def quantized(w) -> bool:
+        if isinstance(w, SmallBatchQuantized) and w.max_rows >= SMALL_BATCH_MAX:
+            w = w.quantized
+        return isinstance(w, QUANTIZED)
 
     layers = [m for m in model.modules() if hasattr(m, "packed_weight")]
-    return not layers or any(not isinstance(m.packed_weight, (Int4Weight, Int8Weight)) for m in layers)
+    return not layers or any(not quantized(m.packed_weight) for m in layers)
 
 
 @dataclass(frozen=True)

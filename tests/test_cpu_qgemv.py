@@ -60,10 +60,10 @@ def test_the_int4_packing_puts_each_code_where_the_kernel_reads_it():
     assert torch.equal(scales, scale[16:32, 1]) and torch.equal(zeros, zero[16:32, 1])
 
 
-def test_the_int8_packing_is_panels_of_16_outputs():
+def test_the_int8_packing_is_panels_of_16_outputs_in_input_pairs():
     q = torch.randint(-127, 128, (48, 8), dtype=torch.int8)
     w = pack_int8(q, torch.rand(48, dtype=torch.bfloat16))
-    assert w.wp.shape == (3, 8, 16) and torch.equal(w.wp[2, 5], q[32:48, 5])
+    assert w.wp.shape == (3, 4, 16, 2) and torch.equal(w.wp[2, 2, :, 1], q[32:48, 5])
     assert w.scale.dtype == torch.float32
 
 

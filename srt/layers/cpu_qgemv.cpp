@@ -9,9 +9,10 @@
 //   bf16 value code - 8 by one table lookup (vpermw) per 32 codes, and vdpbf16ps multiplies
 //   pairs of inputs into one fp32 sum per output and group, D = sum((code - 8) * x); then
 //   y += scale * D + zero * sum(x over the group). Exact products, fp32 sums.
-// gramsync::int8_linear(x [M, K] bf16, wp int8 [N/16, K, 16], scale fp32 [N]) -> [M, N] bf16
-//   int8 weights with one scale per output (the int8 LM head of an int4 model): codes widened
-//   to fp32 and multiply-added against x in fp32, scaled once at the end.
+// gramsync::int8_linear(x [M, K] bf16, wp int8 [N/16, K/2, 16, 2], scale fp32 [N]) -> [M, N] bf16
+//   int8 weights with one scale per output (the int8 LM head of an int4 model), in the pair
+//   layout of vdpbf16ps: each 32 weights widened to bf16 once (exact) and multiplied against
+//   every row's x, fp32 sums, scaled once at the end.
 //
 // Why hand kernels: torch's int4 and int8 CPU kernels are compute-bound at one row, reading
 // their weights at 9-17 GB/s where the machine reads ~30 (docs/speed.md "Quantized GEMVs");
@@ -45,7 +46,7 @@ bool has_avx512_bf16() {
 const bool kAvailable = has_avx512_bf16();
 
 // Panels per tile: MB x NBT accumulators and as many group sums, plus NBT x 2 code vectors.
-constexpr int int4_panels_for(int mb) { return mb <= 1 ? 4 : mb <= 2 ? 4 : mb <= 4 ? 2 : 1; }
+constexpr int int4_panels_for(int mb) { return mb <= 2 ? 4 : mb <= 4 ? 2 : 1; }
 constexpr int int8_panels_for(int mb) { return mb <= 1 ? 8 : mb <= 2 ? 4 : mb <= 4 ? 4 : 2; }
 
 __attribute__((target("avx512f,avx512bw"))) inline __m512 bf16x16_to_f32(const void* p) {
@@ -120,20 +121,26 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_int4(
 
 template <int MB, int NBT>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_int8(
-    const float* x, int64_t K, const int8_t* wp, const float* scale, int64_t p0, c10::BFloat16* y, int64_t ldy) {
+    const uint16_t* x, int64_t K, const int8_t* wp, const float* scale, int64_t p0, c10::BFloat16* y, int64_t ldy) {
   __m512 acc[MB][NBT];
   for (int m = 0; m < MB; m++)
     for (int p = 0; p < NBT; p++) acc[m][p] = _mm512_setzero_ps();
-  const int64_t panel_elems = K * kPanel;
+  const int64_t panel_elems = K * kPanel;  // K/2 pairs x 16 outputs x 2
   const int8_t* w = wp + p0 * panel_elems;
-  for (int64_t k = 0; k < K; k++) {
-    __m512 wv[NBT];
-    for (int p = 0; p < NBT; p++)
-      wv[p] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + p * panel_elems + k * kPanel))));
+  for (int64_t k2 = 0; k2 < K / 2; k2++) {
+    __m512bh wv[NBT];
+    for (int p = 0; p < NBT; p++) {  // 32 codes -> bf16 (exact: |q| <= 127), once for every row
+      const int8_t* at = w + p * panel_elems + k2 * 2 * kPanel;
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+      const __m512 b =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + kPanel))));
+      wv[p] = _mm512_cvtne2ps_pbh(b, a);  // outputs 0-7 from a (low half), 8-15 from b
+    }
     for (int m = 0; m < MB; m++) {
-      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
-      for (int p = 0; p < NBT; p++) acc[m][p] = _mm512_fmadd_ps(wv[p], xv, acc[m][p]);
+      int32_t pair;
+      __builtin_memcpy(&pair, x + m * K + 2 * k2, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int p = 0; p < NBT; p++) acc[m][p] = _mm512_dpbf16_ps(acc[m][p], wv[p], xv);
     }
   }
   for (int p = 0; p < NBT; p++) {
@@ -155,7 +162,7 @@ void tiles(int64_t M, const void* x, const float* aux, int64_t K, const void* wp
       tile_int4<MB, NBT>(static_cast<const uint16_t*>(x) + m0 * K, aux + m0 * (K / kGroup), K,
                          static_cast<const uint8_t*>(wp), p, y + m0 * N, N);
     else
-      tile_int8<MB, NBT>(static_cast<const float*>(x) + m0 * K, K, static_cast<const int8_t*>(wp), aux, p,
+      tile_int8<MB, NBT>(static_cast<const uint16_t*>(x) + m0 * K, K, static_cast<const int8_t*>(wp), aux, p,
                          y + m0 * N, N);
   };
   auto for_rows = [&](auto nbt_c, int64_t p) {
@@ -166,7 +173,7 @@ void tiles(int64_t M, const void* x, const float* aux, int64_t K, const void* wp
   };
   // One panel width for every row tile: the widest the first tile's rows allow.
   const int64_t mb0 = std::min<int64_t>(kTileRows, M);
-  const int nbt = Int4 ? (mb0 <= 2 ? 4 : mb0 <= 4 ? 2 : 1) : (mb0 <= 1 ? 8 : mb0 <= 4 ? 4 : 2);
+  const int nbt = Int4 ? int4_panels_for(mb0) : int8_panels_for(mb0);
   int64_t p = begin;
   if (nbt == 8)
     for (; p + 8 <= end; p += 8) for_rows(std::integral_constant<int, 8>{}, p);
@@ -217,20 +224,18 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& wp) {
 }
 
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& wp, const at::Tensor& scale) {
-  TORCH_CHECK(wp.scalar_type() == at::kChar && wp.dim() == 3 && wp.size(2) == kPanel && wp.is_contiguous(),
+  TORCH_CHECK(wp.scalar_type() == at::kChar && wp.dim() == 4 && wp.size(2) == kPanel && wp.size(3) == 2 &&
+                  wp.is_contiguous(),
               "gramsync::int8_linear: weight not packed by cpu_qgemv.pack_int8");
-  const int64_t panels = wp.size(0), K = wp.size(1), N = panels * kPanel;
+  const int64_t panels = wp.size(0), K = wp.size(1) * 2, N = panels * kPanel;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == N && scale.is_contiguous(),
               "gramsync::int8_linear: scale must be fp32 [N]");
   check_x(x_in, K, "gramsync::int8_linear");
-  const at::Tensor x_b = x_in.contiguous();
-  at::Tensor y = output_like(x_b, N);
-  const int64_t M = x_b.numel() / K;
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = output_like(x, N);
+  const int64_t M = x.numel() / K;
   if (M == 0) return y;
-  std::vector<float> x(M * K);  // fp32 copy: one broadcast per input
-  const auto* xb = x_b.const_data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < M * K; i++) x[i] = static_cast<float>(xb[i]);
-  const float* xp = x.data();
+  const auto* xp = x.const_data_ptr();
   const float* sp = scale.const_data_ptr<float>();
   const auto* w = wp.const_data_ptr();
   auto* yp = y.data_ptr<c10::BFloat16>();

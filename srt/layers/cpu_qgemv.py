@@ -39,7 +39,7 @@ class PanelInt4(NamedTuple):
 
 class PanelInt8(NamedTuple):
     """``gramsync::int8_linear``'s weight."""
-    wp: torch.Tensor     # int8 [N / 16, K, 16]
+    wp: torch.Tensor     # int8 [N / 16, K / 2, 16, 2]
     scale: torch.Tensor  # fp32 [N]
     out_features: int
 
@@ -76,7 +76,7 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> P
 def pack_int8(qdata: torch.Tensor, scale: torch.Tensor) -> PanelInt8:
     """qdata int8 ``[N, K]``, scale ``[N]`` (value = q * scale) -> the op's panels."""
     n, k = qdata.shape
-    wp = qdata.reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
+    wp = qdata.reshape(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
     return PanelInt8(wp, scale.float().contiguous(), n)
 
 

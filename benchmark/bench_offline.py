@@ -132,7 +132,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--breakdown", default="1,2,4,8,16,32,64", help="concurrencies for the step breakdown ('' skips)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                    help="same dtype for both sides (auto: what the server would pick)")
+                    help="same dtype for both sides (auto: what the server would pick, and the "
+                         "weights it serves by default: a 4-bit GGUF's own codes)")
     ap.add_argument("--no-eager-split", action="store_true",
                     help="skip the eager pass that splits the forward (bf16 on a CPU without native "
                          "bf16 runs its eager matmuls at well under 1 GFLOP/s)")
@@ -163,6 +164,9 @@ def main():
     prompts_ids = [apply_chat_template(tok, m) for m in chat_prompts(args.num_prompts)]
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     dtype = str(resolve_dtype(ServerArgs(dtype=args.dtype), "cpu")).removeprefix("torch.")
+    # What the server is given: "auto" keeps a 4-bit GGUF's default (its own codes); a named
+    # dtype serves it dequantized. transformers gets the named dtype.
+    served_dtype = args.dtype
     server_kwargs = {"torchao_config": args.torchao_config,
                      "disable_torch_compile": args.disable_torch_compile,
                      "enable_mixed_chunk": args.enable_mixed_chunk}
@@ -181,7 +185,9 @@ def main():
 
     levels = [int(c) for c in args.breakdown.split(",") if c]
     if levels:
-        sched = step_breakdown.make_scheduler(model_dir, dtype, max(levels), **server_kwargs)
+        sched = step_breakdown.make_scheduler(model_dir, served_dtype, max(levels), **server_kwargs)
+        report["weights"] = "the GGUF's own 4-bit codes" if sched.runner.gguf_int4 else "checkpoint"
+        print(f"weights served: {report['weights']}")
         floors = machine_floor.model_floors(sched.runner.model, getattr(torch, dtype), bw, peak)
         print(f"model: {floors['weight_bytes'] / 1e6:.0f} MB of weights -> batch-1 floor "
               f"{floors['batch1_ms']:.1f} ms; {floors['per_row_gflop']:.2f} GFLOP per token -> "
@@ -199,7 +205,7 @@ def main():
         missing = [bs for bs in http_sizes if bs not in steps]
         if missing:
             raise SystemExit(f"--http-overhead {missing}: not in --breakdown, no in-process step to compare")
-        flags = ["--dtype", dtype]
+        flags = ["--dtype", served_dtype]
         if args.torchao_config:
             flags += ["--torchao-config", args.torchao_config]
         if args.disable_torch_compile:
@@ -219,7 +225,7 @@ def main():
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True
-        sched = step_breakdown.make_scheduler(model_dir, dtype, max(profiled), **server_kwargs)
+        sched = step_breakdown.make_scheduler(model_dir, served_dtype, max(profiled), **server_kwargs)
         report["package_profile"] = [package_profile.profile_decode(sched, prompts_ids, c, 24) for c in profiled]
         package_profile.print_profile(report["package_profile"])
         del sched
@@ -227,7 +233,7 @@ def main():
         n, m = args.num_prompts, args.max_new_tokens
         workloads = {"uniform": [m] * n, "mixed": [8 + (i * 37) % (m - 7) for i in range(n)]}
         ours, ours_tpot = bench_ours(model_dir, prompts_ids, workloads, args.concurrency,
-                                     args.repeats, dtype, server_kwargs)
+                                     args.repeats, served_dtype, server_kwargs)
         report["ours"] = {"tok_s": ours, "batch1_tpot_ms": 1e3 * ours_tpot}
         one = next((r for r in report.get("breakdown", []) if r["concurrency"] == 1), None)
         if one is not None:  # same step through processes, ZMQ and the detokenizer

@@ -66,12 +66,27 @@ def matmul_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> f
     return max(rates)
 
 
+def _quantized_bytes(model: torch.nn.Module) -> dict[int, int]:
+    """id(dense weight) -> bytes a batch-1 step reads instead, per quantized layer."""
+    from srt.layers.cpu_qgemv import SmallBatchQuantized
+
+    out = {}
+    for m in model.modules():
+        held = getattr(m, "packed_weight", None)
+        if isinstance(held, SmallBatchQuantized):
+            out[id(m.weight)] = sum(t.numel() * t.element_size() for t in held.quantized if isinstance(t, torch.Tensor))
+    return out
+
+
 def model_floors(model: torch.nn.Module, dtype: torch.dtype, bandwidth_gbs: float,
                  peak_gflops: float) -> dict:
     """Decode floors in ms: batch 1 = bytes of weights read per token (the tied LM head
-    counted once, as it is read once) / bandwidth; batch b = 2 x matmul params x b / peak."""
+    counted once, as it is read once; a layer that serves small steps from quantized weights,
+    e.g. a GGUF's codes, counted at those) / bandwidth; batch b = 2 x matmul params x b / peak."""
     params = {id(p): p for p in model.parameters()}.values()
-    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    read = {id(p): p.numel() * p.element_size() for p in params}
+    read.update(_quantized_bytes(model))
+    weight_bytes = sum(read.values())
     embed = model.model.embed_tokens.weight
     # Matmul params: every weight but norms; the embedding table is read one row per
     # token, so it counts as a matmul only through the LM head (tied or not).

@@ -159,7 +159,9 @@ GRAMSYNC_CPU_GEMV = EnvVar(
     "GRAMSYNC_CPU_GEMV", bool, True,
     "On CPU, the compiled decode graphs' matmuls at up to 16 rows run a hand-written GEMV "
     "(srt/layers/cpu_gemv.cpp; bf16 with AVX512-BF16, fp32 with AVX512F or AVX2+FMA) instead of oneDNN or "
-    "Inductor's GEMM template; other CPUs keep those. 0 keeps them (a new compile key: the graphs rebuild).",
+    "Inductor's GEMM template; other CPUs keep those. With AVX512-BF16 a 4-bit GGUF's codes and the int8 "
+    "LM head also run our GEMVs (srt/layers/cpu_qgemv.cpp) instead of torch's int4 / int8 kernels. "
+    "0 keeps the library paths (a new compile key: the graphs rebuild).",
 )
 GRAMSYNC_CPU_DECODE_ATTENTION = EnvVar(
     "GRAMSYNC_CPU_DECODE_ATTENTION", bool, True,

@@ -1,6 +1,7 @@
-"""constrained.bitmask_ops: the CPU path and the Triton kernel against the masked_fill
-reference, bit for bit (NaN payloads, +-inf and -0.0 included), the argument checks, and
-equality with xgrammar's CPU kernel. The Triton kernel runs under TRITON_INTERPRET=1 in a
+"""constrained.bitmask_ops: the CPU paths (gramsync's C++ op, and the torch ops used before
+the kernel library is loaded: each CPU test runs on both) and the Triton kernel against the
+masked_fill reference, bit for bit (NaN payloads, +-inf and -0.0 included), the argument
+checks, and equality with xgrammar's CPU kernel. The Triton kernel runs under TRITON_INTERPRET=1 in a
 subprocess (the variable must be set before triton decorates the kernel), and on CUDA when
 there is a GPU."""
 from __future__ import annotations
@@ -22,6 +23,20 @@ from constrained.bitmask_ops import (allocate_token_bitmask, apply_token_bitmask
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@pytest.fixture(params=["torch", "native"])
+def cpu_path(request, monkeypatch):
+    """Each CPU test on both paths: the torch ops, and the C++ op (constrained/bitmask_cpu.cpp)."""
+    if request.param == "torch":
+        monkeypatch.setattr(bitmask_ops, "_native_op", lambda: None)
+    else:
+        from srt.layers.cpu_kernels import load_cpu_kernels
+
+        if not load_cpu_kernels():
+            pytest.skip("gramsync's CPU kernels are not built here")
+        assert bitmask_ops._native_op() is not None
+    return request.param
 
 
 def reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -50,6 +65,7 @@ def random_mask(b: int, words: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(-2**31, 2**31, (b, words), dtype=torch.int32, generator=gen)
 
 
+@pytest.mark.usefixtures("cpu_path")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,v,extra_words", [
     (1, 100, 0), (3, 1000, 0), (5, 4097, 2), (40, 1000, 0), (8, 32768, 3), (2, 70001, 0),
@@ -66,7 +82,7 @@ def test_cpu_matches_reference_on_random_masks(b, v, extra_words, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("v", [49152, 70001, 5003, 40])
-def test_cpu_mixed_rows(v, dtype, monkeypatch):
+def test_cpu_mixed_rows(v, dtype, monkeypatch, cpu_path):
     """Unconstrained, all-disallowed, few-allowed, few-disallowed (the element-wise path,
     with the partial last word) and random rows in one batch."""
     sparse_calls = []
@@ -94,10 +110,11 @@ def test_cpu_mixed_rows(v, dtype, monkeypatch):
     assert_same_bits(logits[0], before[0])
     # Row blocks with few disallowed words go to xgrammar's C loop (fp32) or the sparse
     # path; short rows share a block (5003: 6 rows a block, mostly allowed; 40: one block
-    # holding the all-disallowed row, so tiles).
-    assert bool(sparse_calls) == (v > 1000 and dtype != torch.float32)
+    # holding the all-disallowed row, so tiles). The C++ op takes every row itself.
+    assert bool(sparse_calls) == (cpu_path == "torch" and v > 1000 and dtype != torch.float32)
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_cpu_many_sparse_elements():
     """More partial words than one element-wise chunk holds: they are regrouped (bf16:
     fp32 rows like these go to xgrammar's C loop instead, checked as well)."""
@@ -114,6 +131,7 @@ def test_cpu_many_sparse_elements():
         assert_same_bits(logits, want)
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_cpu_views_1d_and_strided():
     gen = torch.Generator().manual_seed(1)
     v = 3000
@@ -190,6 +208,7 @@ def test_threads_use_their_own_workspaces():
         assert_same_bits(x, want)
 
 
+@pytest.mark.usefixtures("cpu_path")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cpu_matches_xgrammar(dtype):
     xgrammar = pytest.importorskip("xgrammar")
@@ -270,6 +289,7 @@ def test_workspaces_made_under_inference_mode_work_outside_it():
     assert torch.equal(inside, expected) and torch.equal(outside, expected)
 
 
+@pytest.mark.usefixtures("cpu_path")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v", [1000, 49152, 70001])
 def test_cpu_few_allowed_rows_with_bits_past_the_vocabulary(v, dtype):

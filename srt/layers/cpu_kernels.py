@@ -3,8 +3,10 @@
 Hand-written kernels, each where measurement showed the library path falls short, each
 checked against a torch reference: ``small_linear`` (cpu_gemv.cpp, the small-batch GEMV),
 ``decode_attention`` (cpu_decode_attention.cpp, decode attention read in place from the
-KV pool), ``int4_linear`` and ``int8_linear`` (cpu_qgemv.cpp, quantized GEMVs). One library, built from source with the C++ compiler Inductor already needs
-(``torch.utils.cpp_extension``, ~10 s once per machine, kept under ``TORCH_EXTENSIONS_DIR``),
+KV pool), ``int4_linear`` and ``int8_linear`` (cpu_qgemv.cpp, quantized GEMVs), and
+``apply_token_bitmask_`` (constrained/bitmask_cpu.cpp, the grammar's vocab mask). One
+library, built from source with the C++ compiler Inductor already needs
+(``torch.utils.cpp_extension``, ~20 s once per machine, kept under ``TORCH_EXTENSIONS_DIR``),
 so an AOTInductor package that calls any of the ops finds them all registered.
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, name) for name in ("cpu_gemv.cpp", "cpu_decode_attention.cpp", "cpu_qgemv.cpp")]
+# The grammar's vocab mask on CPU (constrained/bitmask_ops.py calls it once the library is loaded).
+SOURCES.append(os.path.join(os.path.dirname(os.path.dirname(_HERE)), "constrained", "bitmask_cpu.cpp"))
 PANEL = 16  # the GEMV's weight rows per panel (cpu_gemv.pack_weight)
 LIBRARY = "gramsync_cpu_kernels"
 

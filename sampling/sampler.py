@@ -17,7 +17,7 @@ import torch
 
 from constrained.bitmask_ops import unpack_bitmask
 from sampling import flashinfer_backend
-from sampling.greedy import greedy_ids
+from sampling.greedy import greedy_ids, native_greedy
 from sampling.sampling_batch_info import SamplingBatchInfo
 from sampling.seeded_random import row_uniforms
 from sampling.sort_free import sample_filtered, sample_unfiltered, workspace_for, workspace_rows
@@ -35,6 +35,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """int64 [B] token ids. ``logits`` (float32 [B, V]) may be modified in place;
         temperature is folded into the sort-free passes instead of a sweep over [B, V]."""
+        if info.is_all_greedy:
+            ids = native_greedy(logits)  # one C++ pass on CPU when every row is finite
+            if ids is not None:
+                return ids
         self.sanitize(logits, info.vocab_mask)
         if info.is_all_greedy:
             return greedy_ids(logits)

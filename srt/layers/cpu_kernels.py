@@ -4,7 +4,8 @@ Hand-written kernels, each where measurement showed the library path falls short
 checked against a torch reference: ``small_linear`` (cpu_gemv.cpp, the small-batch GEMV),
 ``decode_attention`` (cpu_decode_attention.cpp, decode attention read in place from the
 KV pool), ``int4_linear`` and ``int8_linear`` (cpu_qgemv.cpp, quantized GEMVs), and
-``apply_token_bitmask_`` (constrained/bitmask_cpu.cpp, the grammar's vocab mask). One
+``apply_token_bitmask_`` (constrained/bitmask_cpu.cpp, the grammar's vocab mask) and
+``greedy_argmax`` (sampling/greedy_cpu.cpp). One
 library, built from source with the C++ compiler Inductor already needs
 (``torch.utils.cpp_extension``, ~20 s once per machine, kept under ``TORCH_EXTENSIONS_DIR``),
 so an AOTInductor package that calls any of the ops finds them all registered.
@@ -23,8 +24,10 @@ logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, name) for name in ("cpu_gemv.cpp", "cpu_decode_attention.cpp", "cpu_qgemv.cpp")]
-# The grammar's vocab mask on CPU (constrained/bitmask_ops.py calls it once the library is loaded).
-SOURCES.append(os.path.join(os.path.dirname(os.path.dirname(_HERE)), "constrained", "bitmask_cpu.cpp"))
+# The grammar's vocab mask and greedy sampling on CPU (constrained/bitmask_ops.py and
+# sampling/greedy.py call them once the library is loaded).
+_ROOT = os.path.dirname(os.path.dirname(_HERE))
+SOURCES += [os.path.join(_ROOT, "constrained", "bitmask_cpu.cpp"), os.path.join(_ROOT, "sampling", "greedy_cpu.cpp")]
 PANEL = 16  # the GEMV's weight rows per panel (cpu_gemv.pack_weight)
 LIBRARY = "gramsync_cpu_kernels"
 

@@ -76,7 +76,7 @@ def test_the_cpu_op_equals_torch_argmax_and_flags_non_finite_rows(native, dtype,
             ids, finite = torch.ops.gramsync.greedy_argmax(logits)
             assert torch.equal(ids, torch.argmax(logits.float(), dim=-1)) and bool(finite.all())
             assert torch.equal(native_greedy(logits), ids) if rows < MIN_ROWS else native_greedy(logits) is None
-    wide = torch.randn(4, vocab + 5, generator=g).to(dtype)
+    wide = torch.randn(2, vocab + 5, generator=g).to(dtype)
     assert torch.equal(native_greedy(wide[:, 2:vocab + 2]), torch.argmax(wide[:, 2:vocab + 2].float(), dim=-1))
     for bad in (float("nan"), float("inf")):
         logits = torch.randn(3, vocab, generator=g).to(dtype)

@@ -101,10 +101,21 @@ def main() -> None:
     ap.add_argument("--masks", default=",".join(MASK_KINDS))
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--torch-path", action="store_true",
+                    help="time our torch-ops path, not the C++ op a scheduler uses once its kernels are loaded")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; ref = "
+    if not args.torch_path:
+        from srt.layers.cpu_kernels import load_cpu_kernels
+
+        load_cpu_kernels()
+    from constrained import bitmask_ops
+
+    if args.torch_path:
+        bitmask_ops._native_op = lambda: None
+    ours = "C++ op (constrained/bitmask_cpu.cpp)" if bitmask_ops._native_op() else "torch ops"
+    print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; ours = {ours}; ref = "
           f"xgrammar.apply_token_bitmask_inplace (CPU); median of {args.repeats} after a warm-up\n")
     rows = run_bitmask_bench(args.repeats, [int(x) for x in args.batch_sizes.split(",")],
                              [int(x) for x in args.vocabs.split(",")], args.masks.split(","))

@@ -46,7 +46,7 @@ bool has_avx512_bf16() {
 const bool kAvailable = has_avx512_bf16();
 
 // Panels per tile: MB x NBT accumulators and as many group sums, plus NBT x 2 code vectors.
-constexpr int int4_panels_for(int mb) { return mb <= 2 ? 4 : mb <= 4 ? 2 : 1; }
+constexpr int int4_panels_for(int mb) { return mb <= 1 ? 8 : mb <= 2 ? 4 : mb <= 4 ? 2 : 1; }
 constexpr int int8_panels_for(int mb) { return mb <= 1 ? 8 : mb <= 2 ? 4 : mb <= 4 ? 4 : 2; }
 
 __attribute__((target("avx512f,avx512bw"))) inline __m512 bf16x16_to_f32(const void* p) {
@@ -85,6 +85,20 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_int4(
     __m512 d[MB][NBT], e[MB][NBT];
     for (int m = 0; m < MB; m++)
       for (int p = 0; p < NBT; p++) d[m][p] = e[m][p] = _mm512_setzero_ps();
+    if constexpr (MB == 1) {  // panel by panel: only one panel's codes live at a time
+      for (int q = 0; q < kGroup / 4; q++) {
+        int32_t a, b;
+        __builtin_memcpy(&a, x + g * kGroup + 4 * q, 4);
+        __builtin_memcpy(&b, x + g * kGroup + 4 * q + 2, 4);
+        const __m512bh xa = (__m512bh)_mm512_set1_epi32(a), xb = (__m512bh)_mm512_set1_epi32(b);
+        for (int p = 0; p < NBT; p++) {
+          const uint8_t* at = w + p * panel_bytes + g * kGroupBytes + q * 32;
+          const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+          d[0][p] = _mm512_dpbf16_ps(d[0][p], (__m512bh)_mm512_permutexvar_epi16(words, table), xa);
+          e[0][p] = _mm512_dpbf16_ps(e[0][p], (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table), xb);
+        }
+      }
+    } else
     for (int q = 0; q < kGroup / 4; q++) {
       __m512bh lo[NBT], hi[NBT];
       for (int p = 0; p < NBT; p++) {

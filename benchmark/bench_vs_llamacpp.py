@@ -180,9 +180,11 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--request-rate", type=float, default=4.0)
     ap.add_argument("--json", default=None, help="write the figures to this file")
+    ap.add_argument("--gramsync-only", action="store_true",
+                    help="measure gramsync alone (no llama-server, no ratios): to compare its flags")
     args = ap.parse_args()
     binary = args.llama_server or (llamacpp_build.build_server() if args.build else llamacpp_build.built_server())
-    if binary is None:
+    if binary is None and not args.gramsync_only:
         raise SystemExit("no llama-server: pass --build (builds it once, ~6 min) or --llama-server PATH")
     gguf = args.gguf or embedded_gguf_path()
     print(f"cpu={machine_floor.cpu_model()} flags={machine_floor.cpu_flags()} gguf={os.path.basename(gguf)}")
@@ -193,6 +195,8 @@ def main() -> None:
     with launched_server(free_port(), shlex.join(flags)) as base:
         ours = measure(base, args)
     report("gramsync", ours)
+    if args.gramsync_only:
+        return
     with llama_server(binary, gguf, shlex.split(args.llama_args)) as base:
         theirs = measure(base, args)
     report("llama.cpp", theirs)

@@ -140,12 +140,24 @@ def _random_words(n: int, g: torch.Generator) -> torch.Tensor:
     return (torch.randint(0, 2**32, (n,), generator=g) - 2**31).to(torch.int32)
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_processor_and_bias_cannot_lift_the_mask_on_any_cpu_path(contiguous, monkeypatch):
+def test_processor_and_bias_cannot_lift_the_mask_on_any_cpu_path(contiguous, native, monkeypatch):
     """Rows built for apply_token_bitmask_inplace's CPU paths: 0 allows a few words (saved,
     filled, restored), 1 is dense (tiles), 2 is nearly all allowed (xgrammar's C loop for a
-    contiguous mask, else the sparse index fill), 3 allows everything. On each, a processor
+    contiguous mask, else the sparse index fill), 3 allows everything; with ``native`` the
+    C++ op takes a contiguous mask whole (constrained/bitmask_cpu.cpp). On each, a processor
     boosts forbidden tokens to +1e4 and the bias adds +100 to others: all stay -inf."""
+    paths = []
+    if native:
+        from srt.layers.cpu_kernels import load_cpu_kernels
+
+        if not load_cpu_kernels():
+            pytest.skip("gramsync's CPU kernels are not built here")
+        op = bitmask_ops._native_op()
+        monkeypatch.setattr(bitmask_ops, "_native_op", lambda: lambda *a: paths.append("native") or op(*a))
+    else:
+        monkeypatch.setattr(bitmask_ops, "_native_op", lambda: None)
     g = torch.Generator().manual_seed(0)
     words = (BIG_V + 31) // 32
     buf = torch.full((4, words + 3), -1, dtype=torch.int32)
@@ -179,7 +191,7 @@ def test_processor_and_bias_cannot_lift_the_mask_on_any_cpu_path(contiguous, mon
     for i in range(4):
         for t, b in biased[i]:
             want[i, t] += b
-    paths = []  # which CPU paths ran: the premise of this test
+    paths.clear()  # which CPU paths ran: the premise of this test
     for name in ("_apply_few_allowed", "_apply_tiles", "_apply_sparse"):
         fn = getattr(bitmask_ops, name)
         monkeypatch.setattr(bitmask_ops, name, lambda *a, _f=fn, _n=name: paths.append(_n) or _f(*a))
@@ -187,8 +199,11 @@ def test_processor_and_bias_cannot_lift_the_mask_on_any_cpu_path(contiguous, mon
     monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace",
                         lambda *a, **k: paths.append("xgrammar") or c_loop(*a, **k))
     info.apply_logits_bias(logits)
-    assert {"_apply_few_allowed", "_apply_tiles",
-            "xgrammar" if contiguous else "_apply_sparse"} <= set(paths), paths
+    if native and contiguous:
+        assert paths == ["native"], paths
+    else:
+        assert {"_apply_few_allowed", "_apply_tiles",
+                "xgrammar" if contiguous else "_apply_sparse"} <= set(paths), paths
     assert torch.equal(logits, want)
     assert (logits[~allowed] == float("-inf")).all() and (logits[3, boosted[3]] == 1e4).all()
     ids = Sampler()(logits, info)

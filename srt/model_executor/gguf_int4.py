@@ -61,7 +61,8 @@ def gguf_int4_choice(args: ServerArgs, model_dir: str, device: str, model: nn.Mo
         return False, "this torch has no CPU int4 / int8 kernel"
     if args.speculative_algorithm == "NGRAM":  # a verify step's rows compute what plain steps do
         return False, ("--speculative-algorithm given: drafts are verified in steps of several rows, "
-                       "which read the dequantized weights, so every step is served dense")
+                       "which must compute what a plain step does; the codes' steps do not promise that "
+                       "(they may read other weights or graphs by row count), so every step is served dense")
     if model.has_experts or model.is_hybrid:
         return False, "4-bit experts and Gated DeltaNet projections are not built yet"
     return True, "a 4-bit GGUF on CPU with --dtype auto; --dtype or --torchao-config serve it otherwise"

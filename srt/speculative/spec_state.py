@@ -107,7 +107,8 @@ def auto_off_reason(args, device: str, int4_codes: bool, dtype: torch.dtype) -> 
     """Why ``--speculative-algorithm auto`` leaves speculation off here (None: it is on);
     ``dtype`` is the model's."""
     if int4_codes:
-        return "the GGUF's 4-bit codes are served (verify rows would read the dense weights)"
+        return ("the GGUF's 4-bit codes are served (bf16 activations, and the dense weights above the rows "
+                "the codes serve), where a verify step's rows can round differently from a plain step's")
     if dtype != torch.float32:  # bench_spec, 2026-12-04: chat bs=1 differed at token 36
         return (f"the model runs in {str(dtype).removeprefix('torch.')}, where a verify step's rows "
                 "round differently from a plain step's, so greedy outputs could change")

@@ -68,3 +68,21 @@ def test_a_ranks_modules_load_without_dynamo():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_every_kernel_source_ships_with_its_package():
+    """Each C++ source the library builds from exists and is package data of its package
+    (pyproject.toml), so a wheel install builds the same ops as a checkout."""
+    import fnmatch
+    import tomllib
+
+    from srt.layers import cpu_kernels
+
+    root = ROOT
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
+    assert len(cpu_kernels.SOURCES) == 5
+    for src in cpu_kernels.SOURCES:
+        assert os.path.isfile(src), src
+        package = ".".join(os.path.relpath(os.path.dirname(src), root).split(os.sep))
+        assert any(fnmatch.fnmatch(os.path.basename(src), g) for g in data.get(package, [])), src

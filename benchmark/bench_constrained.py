@@ -51,7 +51,7 @@ def make_scheduler(concurrency: int, dtype: str, eager: bool, **server_kwargs):
     path = resolve_model_path(None)
     # Compiled before timing (the served default at TP=1 compiles in the background,
     # which would time the eager step and a busy compile thread instead).
-    # max_running_requests: the server default (64), so the compiled step has room for the
+    # max_running_requests: 64 (the CPU server default is 16), so the compiled step has room for the
     # rows fast-forward adds (it never pushes a step past the compiled batch size).
     args = ServerArgs(model_path=path, random_seed=0, grammar_backend="xgrammar", dtype=dtype,
                       max_running_requests=max(64, concurrency), max_total_tokens=concurrency * 256,

@@ -14,6 +14,10 @@ def _f(default, help: str, choices: Optional[Sequence] = None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+# Running requests by default: a CPU step is compute-bound from about 16 rows (docs/speed.md
+# "Running batch size on CPU"); on CUDA the previous default stays.
+CPU_MAX_RUNNING_REQUESTS = 16
+CUDA_MAX_RUNNING_REQUESTS = 64
 TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
 
 
@@ -53,7 +57,7 @@ class ServerArgs:
     # Memory and scheduling
     max_total_tokens: Optional[int] = _f(None, "KV-cache pool size in tokens (default: from --mem-fraction-static).")
     mem_fraction_static: Optional[float] = _f(None, "Fraction of free memory for the KV cache (default: 0.85 on CUDA, 0.1 of RAM on CPU).")
-    max_running_requests: int = _f(64, "Maximum requests decoding at once (on a small CPU, 4 to 8 bound the gap between tokens at some cost in throughput and waiting: docs/speed.md 'Running batch size on CPU').")
+    max_running_requests: Optional[int] = _f(None, "Maximum requests decoding at once. Default: 16 on CPU (from about 16 rows a CPU decode step is compute-bound: more rows lengthen every stream's gap between tokens and add little throughput; docs/speed.md 'Running batch size on CPU'), 64 on CUDA.")
     max_mamba_cache_size: Optional[int] = _f(None, "Hybrid Gated DeltaNet models (Qwen3.5, Qwen3-Next; SGLang's flag): recurrent-state slots in all, one per running request plus the radix cache's state checkpoints; each costs one request's state (docs/models.md 'Hybrid models'). Default: 3 x --max-running-requests with the radix cache, else --max-running-requests.")
     max_queued_requests: Optional[int] = _f(None, "Most requests waiting to run (queued or compiling their grammar) per DP group; past it a new request gets 503 at once (SGLang's flag; default: unbounded).")
     chunked_prefill_size: Optional[int] = _f(None, "Most prompt tokens prefilled in one step while requests are decoding: a longer prompt is split into chunks, with a decode step for the running requests after each (with none running, a step takes up to --max-prefill-tokens). -1 disables. Default: 256 on CPU, 8192 on CUDA (docs/speed.md 'Chunked prefill').")
@@ -153,11 +157,11 @@ class ServerArgs:
             raise ValueError("--graceful-shutdown-timeout must be at least 0")
         if self.max_request_bytes < 1024:
             raise ValueError("--max-request-bytes must be at least 1024")
-        if self.max_running_requests < 1:
+        if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be at least 1")
-        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < self.max_running_requests:
+        if self.max_mamba_cache_size is not None and self.max_mamba_cache_size < self.max_running():
             raise ValueError(f"--max-mamba-cache-size ({self.max_mamba_cache_size}) must be at least "
-                             f"--max-running-requests ({self.max_running_requests}): a slot per running request")
+                             f"--max-running-requests ({self.max_running()}): a slot per running request")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be at least 0")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
@@ -188,16 +192,22 @@ class ServerArgs:
                              "llguidance or auto (xgrammar has no whitespace patterns)")
 
     def resolved(self) -> "ServerArgs":
-        """Fix choices that every rank must share (the random seed) before spawning ranks."""
-        if self.random_seed is None:
-            return dataclasses.replace(self, random_seed=random.randint(0, 2**30))
-        return self
+        """Fix choices that every rank must share before spawning ranks: the random seed and
+        the running-request cap (so the ranks and /get_server_info show the same number)."""
+        seed = self.random_seed if self.random_seed is not None else random.randint(0, 2**30)
+        return dataclasses.replace(self, random_seed=seed, max_running_requests=self.max_running())
+
+    def max_running(self) -> int:
+        """--max-running-requests, or its default for the device."""
+        if self.max_running_requests is not None:
+            return self.max_running_requests
+        return CPU_MAX_RUNNING_REQUESTS if self.resolved_device() == "cpu" else CUDA_MAX_RUNNING_REQUESTS
 
     def state_slots(self) -> int:
         """Hybrid models' recurrent-state slots (--max-mamba-cache-size, or its default)."""
         if self.max_mamba_cache_size is not None:
             return self.max_mamba_cache_size
-        return self.max_running_requests * (1 if self.disable_radix_cache else 3)
+        return self.max_running() * (1 if self.disable_radix_cache else 3)
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -40,6 +40,18 @@ def test_server_args_frozen_and_validated():
     assert ServerArgs(random_seed=5).resolved().random_seed == 5
 
 
+def test_running_request_cap_defaults_by_device():
+    """16 running requests on CPU (compute-bound from about 16 rows, docs/speed.md), 64 on
+    CUDA; an explicit value wins; resolved() writes the number in for every rank."""
+    assert ServerArgs(device="cpu").max_running() == 16
+    assert ServerArgs(device="cuda").max_running() == 64
+    assert ServerArgs(device="cpu", max_running_requests=40).max_running() == 40
+    assert ServerArgs(device="cpu").resolved().max_running_requests == 16
+    assert ServerArgs(device="cpu").state_slots() == 48
+    with pytest.raises(ValueError, match=r"max-mamba-cache-size \(8\) must be at least --max-running-requests \(16\)"):
+        ServerArgs(device="cpu", max_mamba_cache_size=8)
+
+
 def test_env_vars_typed_with_clear_errors(monkeypatch):
     monkeypatch.setenv("SGLANG_REQ_WAITING_TIMEOUT", "2.5")
     assert environ.SGLANG_REQ_WAITING_TIMEOUT.get() == 2.5

@@ -95,7 +95,7 @@ class ModelRunner:
             pack_linear_weights(self.model, self.dtype, rank_info.log_prefix)
         # Every rank of the DP group must allocate identically: take the group's minimum.
         self.max_total_num_tokens = tp_min_int(self._profile_max_num_tokens(), self.ctrl)
-        self.max_running_requests = server_args.max_running_requests
+        self.max_running_requests = server_args.max_running()
         self.context_len = model_config.context_len
         self._init_memory_pool()
         self.sampler = Sampler(rank_info.log_prefix)

@@ -210,3 +210,17 @@ def test_abort_request_ends_running_streams_with_the_abort_message(server, clien
     # gone: aborting it again is a 404 naming the id
     r = httpx.post(server + "/abort_request", json={"rid": rid}, timeout=30)
     assert r.status_code == 404 and rid in r.json()["error"]["message"]
+
+
+def test_frontend_serves_on_uvloop_and_httptools(server):
+    """The real server's frontend runs uvicorn on uvloop's loop and httptools' parser (the
+    dependencies that cut its CPU per streamed chunk), not asyncio and h11."""
+    import psutil
+
+    httpx.get(server + "/health", timeout=10)  # the session's server is up
+    frontends = [p for p in psutil.Process().children(recursive=True)
+                 if (p.cmdline() or [""])[0].startswith("gramsync::frontend")]
+    assert frontends, "no gramsync::frontend process under this test session"
+    for p in frontends:
+        maps = open(f"/proc/{p.pid}/maps").read()
+        assert "uvloop" in maps and "httptools" in maps, p.cmdline()[0]

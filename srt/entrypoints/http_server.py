@@ -28,11 +28,12 @@ logger = logging.getLogger(__name__)
 
 
 def uvicorn_impl() -> dict:
-    """uvloop's event loop and httptools' parser (dependencies, as in SGLang): less of the
-    frontend's CPU per streamed chunk, which on a small CPU is taken from the model step
-    (docs/speed.md "One stream"); asyncio and h11 where they do not install."""
-    have = {name: importlib.util.find_spec(name) is not None for name in ("uvloop", "httptools")}
-    return {"loop": "uvloop" if have["uvloop"] else "asyncio", "http": "httptools" if have["httptools"] else "h11"}
+    """uvloop's event loop (a dependency, as in SGLang): less of the frontend's CPU per
+    streamed chunk, which on a small CPU is taken from the model step (docs/speed.md "One
+    stream"); asyncio where it does not install. The HTTP parser stays h11: httptools answers
+    a request it cannot parse (a custom method, a DEL byte in a header) with a plain-text 400
+    before the app sees it, where every API error is a JSON body (tests/test_fuzz_requests.py)."""
+    return {"loop": "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio", "http": "h11"}
 
 
 @contextlib.asynccontextmanager

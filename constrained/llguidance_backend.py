@@ -54,12 +54,17 @@ def ascii_shorthands(regex: str) -> str:
 
 
 class GuidanceMaskFiller:
-    """Fills many rows with llguidance's executor (Rust threads)."""
+    """Fills many rows with llguidance's executor (Rust threads); one row on the caller's
+    thread (handing a single row to the pool only adds a thread wake-up, and on a CPU whose
+    cores the forward's threads hold, a preempted one)."""
 
     def __init__(self) -> None:
         self.executor = llg.LLExecutor()
 
     def fill(self, grammars: list["GuidanceGrammar"], vocab_mask: torch.Tensor, rows: list[int]) -> None:
+        if len(rows) == 1:
+            llguidance.numpy.fill_next_token_bitmask(grammars[0].matcher, vocab_mask.numpy(), rows[0])
+            return
         llguidance.numpy.fill_next_token_bitmask_par(
             self.executor, [(g.matcher, i) for g, i in zip(grammars, rows)], vocab_mask.numpy())
 

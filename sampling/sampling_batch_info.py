@@ -151,11 +151,12 @@ class SamplingBatchInfo:
             self.positions[r] += 1
 
     # ---- the logits pipeline ------------------------------------------------------------
-    def start_vocab_mask_fill(self, executor: Executor) -> None:
+    def start_vocab_mask_fill(self, executor: Optional[Executor]) -> None:
         """Start filling this step's bitmask on ``executor`` (the grammar libraries release
         the GIL), so it overlaps the forward; ``update_regex_vocab_mask`` collects it. The
-        grammars must not change until then (the scheduler accepts tokens only after)."""
-        if any(g is not None for g in self.grammars):
+        grammars must not change until then (the scheduler accepts tokens only after).
+        No executor: the fill runs in line, in ``update_regex_vocab_mask``."""
+        if executor is not None and any(g is not None for g in self.grammars):
             self._mask_future = executor.submit(self._fill_vocab_mask_ahead)
 
     def _fill_vocab_mask_ahead(self):

@@ -157,3 +157,19 @@ def test_cpu_int4_model_builds_a_package_that_matches_its_eager_step(tiny_dir, t
             want = runner.model(_batch(eager, 1, keys))
             assert got.shape == want.shape == (1, runner.model_config.vocab_size)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)  # equal bit for bit here
+
+
+def test_flat_inputs_follow_pytree_order():
+    """The package is called with ``flat_graph_inputs`` instead of the loader's pytree
+    flattening: the same tensors, in the same order, for any layer count."""
+    from torch.utils import _pytree as pytree
+
+    from srt.model_executor.compiled.aoti_decode import flat_graph_inputs
+
+    for layers in (1, 3):
+        inputs = (*(torch.zeros(1) for _ in range(5)), [torch.zeros(2) for _ in range(layers)],
+                  [torch.zeros(3) for _ in range(layers)])
+        flat = flat_graph_inputs(inputs)
+        leaves = pytree.tree_leaves((inputs, {}))
+        assert len(flat) == len(leaves) == 5 + 2 * layers
+        assert all(a is b for a, b in zip(flat, leaves))

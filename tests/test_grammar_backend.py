@@ -255,3 +255,28 @@ def test_llguidance_regex_shorthands_are_ascii_like_xgrammar(xgr, llg, smollm2_t
         g = backend.init_value(("regex", r"\d+"))
         assert accepts(g.copy(), smollm2_tokenizer, "12")
         assert rejects(g.copy(), smollm2_tokenizer, "\U0001FBF8"), backend.name  # SEGMENTED DIGIT EIGHT
+
+
+def test_guidance_one_row_fills_in_line_like_the_pool(llg, smollm2_tokenizer, monkeypatch):
+    """llguidance fills a single row on the caller's thread and more rows on its pool: the
+    masks are the same at every step of a document, and other rows stay all allowed."""
+    import llguidance.numpy
+
+    pool_calls = []
+    par = llguidance.numpy.fill_next_token_bitmask_par
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask_par",
+                        lambda *a: pool_calls.append(len(a[1])) or par(*a))
+    spec = json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+                       "required": ["name", "n"]})
+    alone, first, second = (llg.init_value(("json_schema", spec)).copy() for _ in range(3))
+    filler = alone.mask_filler
+    for tok in smollm2_tokenizer.encode('{"name": "Ada Lovelace", "n": 1815}'):
+        one, three = allocate_token_bitmask(1, VOCAB), allocate_token_bitmask(3, VOCAB)
+        filler.fill([alone], one, [0])
+        filler.fill([first, second], three, [0, 2])
+        assert torch.equal(one[0], three[0]) and torch.equal(one[0], three[2])
+        assert torch.equal(three[1], torch.full_like(three[1], -1))
+        assert unpack_bitmask(one, VOCAB)[0, tok], tok
+        for g in (alone, first, second):
+            g.accept_token(tok)
+    assert pool_calls and set(pool_calls) == {2}  # the one-row fills never went to the pool

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Union
 
 import torch
@@ -28,6 +27,7 @@ from srt.layers.moe.routing_digest import attach_routing_digest
 from srt.scheduler.batch_log import BatchLog
 from srt.scheduler.batch_step import BatchStepMixin
 from srt.scheduler.logprob_tracker import take_logprob_deltas
+from srt.scheduler.mask_overlap import mask_fill_executor
 from srt.transport.io_struct import (AbortReq, BatchTokenOut, FinishReason, FlushCacheOut, FlushCacheReq,
                                    TokenizedGenerateReq)
 from srt.scheduler.req import Req
@@ -94,8 +94,9 @@ class Scheduler(BatchStepMixin):
         backend = create_grammar_backend(server_args, tokenizer, self.vocab_size,
                                          tuple(model_config.eos_token_ids))
         self.grammar_manager = GrammarManager(backend, self.ctrl, **self.grammar_manager_kwargs())
-        # Decode steps fill their grammar bitmask on this thread while the forward runs.
-        self.mask_executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        # Decode steps fill their grammar bitmask on this thread while the forward runs
+        # (None: in line, where the forward's threads take every core; mask_overlap.py).
+        self.mask_executor = mask_fill_executor(r.device)
         # Grammar fast-forward: forced tokens are appended without a decode step each and
         # ride along as extra rows of the next decode step, up to this many rows in all
         # (the compiled step's / CUDA graphs' largest batch: more would run it eagerly).

@@ -80,3 +80,17 @@ def lowest_cpu_priority() -> str:
         except (AttributeError, OSError):
             return "unchanged"
         return "nice 19"
+
+
+def freeze_startup_heap() -> float:
+    """Collect once, then move every object alive now (modules, the model's Python objects,
+    the tokenizer: ~500k in a scheduler rank) out of the collector's reach: a full
+    collection then scans only what serving allocated. Unfrozen, a full collection took
+    ~40-200 ms in the frontend and a rank (a pause of every stream). What vLLM and SGLang do
+    after start-up too. Returns the seconds the collection took."""
+    import gc
+
+    start = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    return time.perf_counter() - start

@@ -22,6 +22,7 @@ from srt.entrypoints.http_common import error_response
 from srt.entrypoints.openai_serving import OpenAIServing
 from srt.entrypoints.routes import admin_router, metrics_router, native_router, openai_router
 from srt.frontend.tokenizer_manager import TokenizerManager
+from srt.process_utils import freeze_startup_heap
 from srt.security.http_guard import HttpGuard, HttpGuardConfig, RequestTooLarge
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ def serve(server_args, port_args, handles, tokenizer: Future, http_socket: socke
             drain.request(RANK_GONE, 0.0)
 
         handles.watch(on_rank_death)
+        freeze_startup_heap()  # long-lived objects out of the collector's full passes
         server.run(sockets=[http_socket])
     finally:
         handles.shutdown()

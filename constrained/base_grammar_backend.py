@@ -86,6 +86,11 @@ class BaseGrammarObject:
         """The matcher reached a dead end it reports itself (llguidance) after a fill."""
         return False
 
+    def allows_token(self, token: int) -> Optional[bool]:
+        """True only where ``token`` may come next, the matcher left as it was; False or
+        None (cannot tell without a mask): sampling/check_first.py fills the mask then."""
+        return None
+
     def mask_source(self) -> "BaseGrammarObject":
         """The object whose ``mask_filler`` fills this row (wrappers return the inner one)."""
         return self

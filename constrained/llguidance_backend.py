@@ -84,6 +84,11 @@ class GuidanceGrammar(BaseGrammarObject):
     def rollback(self, k: int) -> None:
         self.matcher.rollback(k)
 
+    def allows_token(self, token: int) -> bool:
+        # No state change. It counts no stop token (0 for EOS where the mask allows it):
+        # False then only costs the mask fill (the contract: True only where allowed).
+        return self.matcher.validate_tokens([token]) == 1
+
     def is_terminated(self) -> bool:
         # Stopped = only EOS could follow (or EOS was taken): the output is complete.
         return self.matcher.is_stopped()

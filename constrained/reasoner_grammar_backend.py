@@ -84,6 +84,11 @@ class ReasonerGrammarObject(BaseGrammarObject):
     def has_error(self) -> bool:
         return not self.is_in_reasoning and self.grammar.has_error()
 
+    def allows_token(self, token: int) -> Optional[bool]:
+        if not self.is_in_reasoning:
+            return self.grammar.allows_token(token)
+        return token == self.think_end_id if self.budget_reached() else True
+
     def fast_forward(self, max_tokens: int) -> list[int]:
         forced = []
         if self.budget_reached() and max_tokens > 0:

@@ -64,6 +64,13 @@ class XGrammarGrammar(BaseGrammarObject):
     def rollback(self, k: int) -> None:
         self.matcher.rollback(k)
 
+    def allows_token(self, token: int) -> bool:
+        # xgrammar has no check that leaves the state alone: accept, then undo (~us each).
+        if not self.matcher.accept_token(token):
+            return False  # a rejected token leaves the matcher unchanged
+        self.matcher.rollback(1)
+        return True
+
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 

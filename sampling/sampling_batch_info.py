@@ -52,6 +52,7 @@ class SamplingBatchInfo:
     mask_fill_seconds: float = 0.0  # this step's fill time on the critical path (waited for)
     mask_fill_work_seconds: float = 0.0  # this step's fill time, wherever it ran
     mask_apply_seconds: float = 0.0
+    mask_checked_first: bool = False  # this step's greedy ids passed every grammar unmasked
     # A fill started ahead (start_vocab_mask_fill), running while the forward runs.
     _mask_future: Optional[Future] = None
     # Derived by _refresh after every change of rows.
@@ -159,6 +160,9 @@ class SamplingBatchInfo:
         if executor is not None and any(g is not None for g in self.grammars):
             self._mask_future = executor.submit(self._fill_vocab_mask_ahead)
 
+    def mask_fill_started(self) -> bool:
+        return self._mask_future is not None
+
     def _fill_vocab_mask_ahead(self):
         # Inference mode is per thread; the buffer is also filled under it by sample().
         with torch.inference_mode():
@@ -221,13 +225,17 @@ class SamplingBatchInfo:
             self.penalizer_orchestrator.apply(logits)
         if any(p is not None for p in self.custom_processors):
             self._apply_custom_processors(logits)
+        self.apply_vocab_mask(logits)
+        if any(self.logit_bias):  # finite (validated): -inf + b stays -inf
+            rows, cols, vals = self._logit_bias_index()
+            logits.index_put_((rows, cols), vals, accumulate=True)
+
+    def apply_vocab_mask(self, logits: torch.Tensor) -> None:
+        """The grammar mask alone (after the bias is fine too: -inf + b stays -inf)."""
         if self.vocab_mask is not None:
             start = time.perf_counter()
             apply_token_bitmask_inplace(logits, self.vocab_mask)  # sets -inf, whatever was there
             self.mask_apply_seconds = time.perf_counter() - start
-        if any(self.logit_bias):  # finite (validated): -inf + b stays -inf
-            rows, cols, vals = self._logit_bias_index()
-            logits.index_put_((rows, cols), vals, accumulate=True)
 
     def _logit_bias_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sparse (row, token, bias) triples, cached until the rows change."""

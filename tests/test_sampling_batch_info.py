@@ -266,7 +266,7 @@ def test_changing_batch_gives_solo_outputs(solo, smollm2_tokenizer):
     s, alone = solo
     sizes = []
     orig = s.runner.sample
-    s.runner.sample = lambda logits, info, rows=(): sizes.append(len(info)) or orig(logits, info, rows)
+    s.runner.sample = lambda logits, info, rows=(), **kw: sizes.append(len(info)) or orig(logits, info, rows, **kw)
     try:
         outs = run(s, {k: [msg(smollm2_tokenizer, r) for r in v] for k, v in ARRIVALS.items()})
     finally:

@@ -11,6 +11,7 @@ import torch
 from distributed.communication import tp_min_int, without_peers
 from distributed.parallel_state import RankInfo, TPGroup
 from distributed.pipeline import PipelineGroup
+from sampling.check_first import can_check_first, greedy_if_allowed
 from sampling.logprobs import log_softmax_rows
 from sampling.sampler import Sampler
 from sampling.sampling_params import MAX_TOP_LOGPROBS
@@ -357,9 +358,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,
-               logprob_rows: Sequence[int] = ()) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+               logprob_rows: Sequence[int] = (), check_first: bool = False,
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(token ids [B], logprobs [len(logprob_rows), V] of those rows or None): the
-        logprobs describe the distribution --logprobs-mode names (sampling/logprobs.py)."""
+        logprobs describe the distribution --logprobs-mode names (sampling/logprobs.py).
+        ``check_first``: a greedy batch may skip its grammar mask where every grammar allows
+        the unmasked argmax (sampling/check_first.py; the same tokens)."""
+        info.mask_checked_first = False
+        if check_first and can_check_first(info, logprob_rows):
+            info.vocab_mask = None  # penalties, processors and bias only
+            info.apply_logits_bias(logits)
+            ids = greedy_if_allowed(logits, info)
+            if ids is not None:
+                info.vocab_mask, info.mask_checked_first = None, True
+                return ids, None
+            info.update_regex_vocab_mask()  # rejected: mask what is already biased, then sample
+            info.apply_vocab_mask(logits)
+            return self.sampler(logits, info), None
         info.update_regex_vocab_mask()
         raw = self.server_args.logprobs_mode == "raw_logprobs"
         rows = torch.tensor(list(logprob_rows), dtype=torch.int64, device=logits.device) if logprob_rows else None

@@ -205,7 +205,7 @@ class BatchStepMixin(SpecStepMixin):
         if self.pipeline is not None:
             next_ids, logprobs = self._sample_in_pipeline(step.logits, info, lp_rows, step.has_grammar)
         else:
-            next_ids, logprobs = self.runner.sample(step.logits, info, lp_rows)
+            next_ids, logprobs = self.runner.sample(step.logits, info, lp_rows, check_first=True)
             if not self.tp.is_single and step.has_grammar:
                 next_ids = self._agree_on_tokens(next_ids)
         self.step_stats.count_mask(info)

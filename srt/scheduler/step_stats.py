@@ -58,6 +58,7 @@ class StepStats:
     mask_fill_work_seconds: float = 0.0
     mask_apply_seconds: float = 0.0
     mask_steps: int = 0
+    mask_checked_first_steps: int = 0  # steps whose argmax every grammar allowed: no mask
     # Token agreement (TP > 1, batches with grammars): rows where this rank's own sample
     # differed from the agreed one. Expected to stay 0; measured, not assumed.
     token_agreement_steps: int = 0
@@ -111,6 +112,8 @@ class StepStats:
             self.mask_fill_work_seconds += info.mask_fill_work_seconds
             self.mask_apply_seconds += info.mask_apply_seconds
             self.mask_steps += 1
+        elif info.mask_checked_first:
+            self.mask_checked_first_steps += 1
 
     def count_agreement(self, mismatches: int) -> None:
         self.token_agreement_steps += 1

@@ -238,7 +238,10 @@ def test_small_batch_graphs_leave_the_cpp_gemm_template_out_only_for_bf16_withou
         model = torch.nn.Linear(4, 4).to(dtype)
         graphs = cd.CompiledDecode(model, 32, "[test]")._graphs
         want = cd.small_batch_options(dtype, cd.cpu_flags())
-        assert [(g.label, g.options) for g in graphs] == [("1", want), ("2-16", want), ("17-32", cd._FREEZE)]
+        # bf16 with AMX: the GEMVs' graph ends at 4 rows, oneDNN's begins at 5.
+        small = [("2-4", want), ("5-16", want)] if dtype == torch.bfloat16 and "amx_bf16" in cd.cpu_flags() \
+            else [("2-16", want)]
+        assert [(g.label, g.options) for g in graphs] == [("1", want), *small, ("17-32", cd._FREEZE)]
     from srt.layers.cpu_int4_linear import Int4Weight
     from srt.layers.cpu_int8_linear import Int8Weight
     from srt.layers.linear import ColumnParallelLinear
@@ -256,3 +259,23 @@ def test_small_batch_graphs_leave_the_cpp_gemm_template_out_only_for_bf16_withou
     assert not cd._has_dense_linear(layer)
     layer.packed_weight = SmallBatchQuantized(layer.packed_weight.quantized, None, 4)
     assert cd._has_dense_linear(layer)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_with_amx_the_gemvs_graph_ends_at_4_rows_and_onednn_takes_5_to_16(amx, monkeypatch):
+    """bf16 on an AMX CPU: the GEMVs (dense, the GGUF's codes, the int8 head) serve up to 4
+    rows, a graph of their own; 5-16 rows get a graph where oneDNN's matmul runs. fp32 and
+    CPUs without AMX keep one 2-16 graph."""
+    import srt.model_executor.compiled.cache as cache
+    import srt.model_executor.compiled.decode as cd
+    from srt.layers.cpu_gemv import gemv_max_rows
+
+    flags = ["avx2", "avx512f", "avx512bw", "avx512_bf16"] + (["amx_bf16", "amx_tile"] if amx else [])
+    monkeypatch.setattr(cache, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cd, "cpu_flags", lambda: flags)
+    assert gemv_max_rows(torch.bfloat16) == (4 if amx else 16) and gemv_max_rows(torch.float32) == 16
+    for dtype, split in ((torch.bfloat16, amx), (torch.float32, False)):
+        graphs = cd.CompiledDecode(torch.nn.Linear(4, 4).to(dtype), 32, "[test]")._graphs
+        got = [(g.lo, g.hi, g.trace_bs) for g in graphs]
+        small = [(2, 4, 4), (5, 16, 8)] if split else [(2, 16, 8)]
+        assert got == [(1, 1, 1), *small, (17, 32, 32)], (dtype, got)

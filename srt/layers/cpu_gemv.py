@@ -27,6 +27,23 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from srt.layers.cpu_kernels import PANEL, dynamo_constant, load_cpu_kernels
 
 GEMV_MAX_ROWS = 16
+# With AMX tiles, oneDNN's bf16 matmul overtakes every GEMV (ours dense, int4 codes, int8
+# head) within a few rows: SmolLM2's 120 decoder matmuls, weights streaming (2-vCPU Xeon,
+# bench_qgemv.py, 2026-12-05): at 4 rows our int4 6.8 ms against oneDNN's 10.9, at 8 11.9
+# against 10.6, at 16 23.4 against 11.9; the LM head at 4 rows int8 2.4 against 2.9 ms, at
+# 16 9.0 against 3.1. There the GEMVs serve steps of up to 4 rows.
+AMX_GEMV_MAX_ROWS = 4
+
+
+@dynamo_constant
+def gemv_max_rows(dtype: torch.dtype) -> int:
+    """Most rows of a step a GEMV serves in the compiled graphs (and the GGUF's codes and the
+    int8 head in eager steps): 16, or 4 for bf16 on a CPU with AMX tiles."""
+    from srt.model_executor.compiled.cache import cpu_flags
+
+    if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
+        return AMX_GEMV_MAX_ROWS
+    return GEMV_MAX_ROWS
 
 
 def gemv_wanted() -> bool:
@@ -53,13 +70,13 @@ def gemv_available(dtype: torch.dtype) -> bool:
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Inside a trace of a CPU graph whose rows are known to be <= GEMV_MAX_ROWS, for a
+    """Inside a trace of a CPU graph whose rows are known to be <= gemv_max_rows, for a
     weight the panels fit (rows a multiple of 16, an even number of columns)."""
     if (weight.device.type != "cpu" or not torch.compiler.is_compiling()
             or weight.dim() != 2 or weight.shape[0] % PANEL or weight.shape[1] % 2):
         return False
     rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
-    return statically_known_true(rows <= GEMV_MAX_ROWS) and gemv_available(weight.dtype)
+    return statically_known_true(rows <= gemv_max_rows(weight.dtype)) and gemv_available(weight.dtype)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,7 @@ def quantize_head_int8(model: nn.Module, log_prefix: str) -> int:
     steps (both int8 kernels turn compute-bound within a few rows: torch's took 51.6 ms at 64
     rows where oneDNN's bf16 took 9.7) and a tied embedding. Returns the number of heads
     quantized (0 or 1 per rank)."""
+    from srt.layers.cpu_gemv import gemv_max_rows
     from srt.layers.cpu_qgemv import HEAD_INT8_MAX_ROWS, fits, pack_int8, qgemv_available
 
     count, ours = 0, False
@@ -82,9 +83,10 @@ def quantize_head_int8(model: nn.Module, log_prefix: str) -> int:
             q = quantize_int8(module.weight)
             ours = qgemv_available() and fits(*module.weight.shape)
             # The same bf16-rounded scales either way: the same weights.
-            module.packed_weight = SmallBatchQuantized(pack_int8(q.qdata, q.scales) if ours else q, None,
-                                                       HEAD_INT8_MAX_ROWS)
+            rows = min(HEAD_INT8_MAX_ROWS, gemv_max_rows(torch.bfloat16)) if ours else HEAD_INT8_MAX_ROWS
+            module.packed_weight = SmallBatchQuantized(pack_int8(q.qdata, q.scales) if ours else q, None, rows)
             count += 1
     logger.info("%s int8 LM head (%s, one scale per row) in steps of up to %d rows", log_prefix,
-                "gramsync's int8 GEMV" if ours else "torch's CPU int8 kernel", HEAD_INT8_MAX_ROWS)
+                "gramsync's int8 GEMV" if ours else "torch's CPU int8 kernel",
+                rows if count else HEAD_INT8_MAX_ROWS)
     return count

@@ -26,6 +26,7 @@ import re
 import torch
 from torch import nn
 
+from srt.layers.cpu_gemv import gemv_max_rows
 from srt.layers.cpu_int4_linear import int4_from_codes, int4_supported
 from srt.layers.cpu_qgemv import PanelInt4, SmallBatchQuantized, fits, pack_int4, qgemv_available
 from srt.layers.cpu_int8_linear import int8_supported
@@ -41,7 +42,8 @@ _UNSET = 255  # no code: a layer the file holds no Q4 codes for
 # whose rows are known to be this few); larger ones the dequantized weight. On torch's int4
 # kernel, compute-bound, that is batch 1 (cpu_qgemv.SmallBatchQuantized); our int4 GEMV
 # (cpu_qgemv.py, AVX512-BF16) reads the codes at the machine's rate, up to the 16 rows of
-# the small-batch graphs (docs/speed.md "Quantized GEMVs").
+# the small-batch graphs (docs/speed.md "Quantized GEMVs"); 4 with AMX tiles, where
+# oneDNN's bf16 matmul is faster above (cpu_gemv.gemv_max_rows).
 INT4_MAX_ROWS = 4
 PANEL_INT4_MAX_ROWS = 16
 
@@ -95,7 +97,7 @@ def load_gguf_int4(model: nn.Module, model_dir: str, log_prefix: str) -> int:
             for name in names:
                 weights[name] = _pack(codes[name], scale[name][:, ::GROUP], minv[name][:, ::GROUP], ours)
     ours = all(isinstance(w, PanelInt4) for w in weights.values())
-    max_rows = PANEL_INT4_MAX_ROWS if ours else INT4_MAX_ROWS
+    max_rows = min(PANEL_INT4_MAX_ROWS, gemv_max_rows(torch.bfloat16)) if ours else INT4_MAX_ROWS
     for name, m in linears.items():  # the dense weight stays for steps of more rows
         m.packed_weight = SmallBatchQuantized(weights[name], None, max_rows)
     quantize_head_int8(model, log_prefix)

@@ -276,7 +276,7 @@ class Scheduler(BatchStepMixin):
             self._ensure_decode_capacity()
             mixed = bool(self.running)
         adder = PrefillAdder(self.running, self.kv.available_tokens(),
-                             self.server_args.max_running(),
+                             self.runner.max_running_requests,
                              self.server_args.max_prefill_tokens, self.clip_new_tokens,
                              self.chunk_size, share_prompts=self.kv.tree is not None,
                              share_scores=self.kv.logprob_pool is not None)

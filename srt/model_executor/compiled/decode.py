@@ -12,7 +12,8 @@ max-autotune, which picks Inductor's C++ GEMM template per weight shape where it
 ATen (fp32, and bf16 with AMX; bf16 without AMX leaves the template out:
 ``small_batch_options``).
 
-Graphs: batch 1 (static), batches 2-16 (dynamic) and batches 17 to
+Graphs: batch 1 (static), batches 2-16 (dynamic; 2-4 and 5-16 for bf16 on a CPU with AMX
+tiles, where oneDNN's matmul beats the GEMVs from 5 rows) and batches 17 to
 ``--torch-compile-max-bs`` (dynamic, oneDNN: compute-bound there), each dynamic graph
 keeping the batch size and the longest sequence dynamic so it serves its whole range
 without recompiling. We chose this over padding to one graph per bucket because each
@@ -127,10 +128,17 @@ class CompiledDecode:
         # Batch 1 is static (Dynamo specializes a dimension of size 1 anyway); the others
         # keep B and S dynamic so a graph serves its whole range without recompiling.
         small_hi = min(SMALL_BATCH_MAX, max_bs)
-        small = small_batch_options(next(model.parameters()).dtype, cpu_flags(), _has_dense_linear(model))
+        dtype = next(model.parameters()).dtype
+        small = small_batch_options(dtype, cpu_flags(), _has_dense_linear(model))
         ranges = [(1, 1, 1, small)]  # lo, hi, trace batch, options
-        if small_hi >= 2:
-            ranges.append((2, small_hi, min(small_hi, SMALL_BATCH_TRACE), small))
+        # With AMX (bf16) the GEMVs serve up to 4 rows and oneDNN above: a graph each, so
+        # each knows statically which it runs (cpu_gemv.gemv_max_rows).
+        from srt.layers.cpu_gemv import gemv_max_rows
+
+        split = gemv_max_rows(dtype)
+        for lo, hi in ([(2, split), (split + 1, small_hi)] if 2 <= split < small_hi else [(2, small_hi)]):
+            if hi >= lo:
+                ranges.append((lo, hi, max(lo, min(hi, SMALL_BATCH_TRACE)), small))
         if max_bs > small_hi:
             ranges.append((small_hi + 1, max_bs, max_bs, _FREEZE))
         graphs = []

@@ -170,8 +170,10 @@ def test_several_decode_rows_of_one_request_run_in_order(hybrid_dirs):
              for i, t in enumerate((11, 12, 13))]
     together = _decode_rows(b, [(0, 11), (0, 12), (0, 13), (1, 7)])
     want = torch.cat([steps[0][:1], steps[1], steps[2], steps[0][1:]])
-    assert (together - want).abs().max().item() < 1e-5
-    # Not bit for bit: the projections see 3 rows instead of 1 (another GEMM shape).
+    # Not bit for bit: the projections see 3 rows instead of 1 (another GEMM shape), and
+    # oneDNN's fp32 kernels for the two shapes differ by CPU: 1.7e-5 on a Xeon with AMX
+    # (2026-12-05), under 1e-5 on AMD EPYC. A wrong order or a lost row is O(1).
+    assert (together - want).abs().max().item() < 5e-5
     for pool in ("recurrent", "conv"):
         x, y = getattr(a.state_pool, pool)[:, a.rows[0]], getattr(b.state_pool, pool)[:, b.rows[0]]
-        assert (x - y).abs().max().item() < 1e-5, pool
+        assert (x - y).abs().max().item() < 5e-5, pool

@@ -82,9 +82,17 @@ def test_tp2_cached_prompt_logprobs_match_and_ranks_agree(tmp_path_factory, tiny
     first = _lps(on["alone"][0])
     assert all(_lps(r)[0][:served] == first[0][:served] and _lps(r)[1][:served] == first[1][:served]
                for r in on["alone"][1:])
-    # The same prompt again: served whole, the very numbers scoring it alone gave.
+    # The same prompt again: served whole from the cache, each position to the last bit the
+    # number this server computed first: the context's from scoring ctx + " Yes" (the rows
+    # the second choice recomputed are not stored again), the choice's from scoring it. Within
+    # TOL of the uncached server, not bitwise: on a Xeon with AMX (2026-12-05) the same
+    # context scored inside two prompts differed in the last bits, where an AMD EPYC gave
+    # the same bits (test_prompt_logprob_cache.py's docstring: not batch-invariant).
     assert _cached(on["again"]) == len(ctx) + len(choices[1]) - 1
-    assert _lps(on["again"]) == _lps(off["alone"][1])
+    again, alone1 = _lps(on["again"]), _lps(on["alone"][1])
+    for part in (0, 1):  # token logprobs, top alternatives
+        assert again[part] == first[part][:len(ctx)] + alone1[part][len(ctx):], part
+    assert _close(on["again"], off["alone"][1])
     # Sent together: one scores the context, the others wait a step and reuse it.
     assert sorted(_cached(r) for r in on["together"]) == [0] + [len(ctx) - RECOMPUTE_ROWS] * 2
     assert all(_close(a, b) for a, b in zip(on["together"], off["together"]))

@@ -18,7 +18,6 @@ better for gramsync in all three (exact lines; checks read them):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
@@ -29,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -37,6 +37,7 @@ import llamacpp_build
 import machine_floor
 from bench_offline import chat_prompts
 from bench_serving import free_port, launched_server
+from sse_client import sse_events
 
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string"}, "year": {"type": "integer"},
@@ -44,15 +45,11 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["title", "year", "facts"], "additionalProperties": False}
 
 
-# A connection per request: llama-server closes a connection after a streamed response,
-# and a client that reused it raced that close ("Server disconnected without sending a
-# response"; the benchmark then stopped the server, which read as llama-server exiting).
-FRESH_CONNECTIONS = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-
-
-async def stream_chat(client: httpx.AsyncClient, base: str, messages, max_tokens: int,
-                      schema: dict | None = None) -> dict:
-    """One streamed chat completion: TTFT, the gaps between content chunks, tokens."""
+def stream_chat(base: str, messages, max_tokens: int, schema: dict | None = None) -> dict:
+    """One streamed chat completion: TTFT, the gaps between content chunks, tokens. Its own
+    connection, closed after the response (llama-server closes one after a streamed
+    response, and a client reusing it raced that close), read by sse_client.py's blocking
+    socket: httpx's stream cost 0.6-1.5 ms of CPU per token on the cores both servers use."""
     body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     if schema is None:
@@ -61,19 +58,16 @@ async def stream_chat(client: httpx.AsyncClient, base: str, messages, max_tokens
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}}
     start = time.perf_counter()
     times, tokens, text = [], 0, ""
-    async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            choices = chunk.get("choices") or []
-            if choices and (choices[0].get("delta") or {}).get("content"):
-                times.append(time.perf_counter())
-                text += choices[0]["delta"]["content"]
+    for data in sse_events(base + "/v1/chat/completions", body, timeout=900):
+        if data.strip() == "[DONE]":
+            continue
+        chunk = json.loads(data)
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        choices = chunk.get("choices") or []
+        if choices and (choices[0].get("delta") or {}).get("content"):
+            times.append(time.perf_counter())
+            text += choices[0]["delta"]["content"]
     tokens = tokens or len(times)
     return {"ttft": times[0] - start, "tpot": (times[-1] - times[0]) / max(tokens - 1, 1),
             "itls": list(np.diff(times)), "tokens": tokens, "end": times[-1], "text": text}
@@ -86,27 +80,26 @@ def _is_json(text: str) -> bool:
     return False
 
 
-async def batch1(base: str, prompts, max_tokens: int, schema: dict | None, runs: int) -> tuple[float, int]:
+def batch1(base: str, prompts, max_tokens: int, schema: dict | None, runs: int) -> tuple[float, int]:
     """Median seconds per output token over ``runs`` sequential streams; with a schema, how
     many documents were complete JSON (one cut by max_tokens is not)."""
-    async with httpx.AsyncClient(timeout=600, limits=FRESH_CONNECTIONS) as client:
-        await stream_chat(client, base, prompts[-1], 16, schema)  # warm-up (and the grammar's compile)
-        outs = [await stream_chat(client, base, prompts[i % len(prompts)], max_tokens, schema)
-                for i in range(runs)]
+    stream_chat(base, prompts[-1], 16, schema)  # warm-up (and the grammar's compile)
+    outs = [stream_chat(base, prompts[i % len(prompts)], max_tokens, schema) for i in range(runs)]
     return statistics.median(o["tpot"] for o in outs), sum(_is_json(o["text"]) for o in outs)
 
 
-async def serving(base: str, prompts, n: int, rate: float, max_tokens: int, seed: int = 0) -> dict:
+def serving(base: str, prompts, n: int, rate: float, max_tokens: int, seed: int = 0) -> dict:
+    """``n`` streams arriving as a Poisson process at ``rate`` per second, a thread each."""
     arrivals = np.concatenate([[0.0], np.cumsum(np.random.default_rng(seed).exponential(1 / rate, n - 1))])
-    async with httpx.AsyncClient(timeout=900, limits=FRESH_CONNECTIONS) as client:
-        await stream_chat(client, base, prompts[-1], 16)  # warm-up
-        t0 = time.perf_counter()
+    stream_chat(base, prompts[-1], 16)  # warm-up
+    t0 = time.perf_counter()
 
-        async def one(i: int) -> dict:
-            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
-            return await stream_chat(client, base, prompts[i % len(prompts)], max_tokens)
+    def one(i: int) -> dict:
+        time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+        return stream_chat(base, prompts[i % len(prompts)], max_tokens)
 
-        results = await asyncio.gather(*(one(i) for i in range(n)))
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(one, range(n)))
     duration = max(r["end"] for r in results) - t0
     ttft = np.array([r["ttft"] for r in results]) * 1e3
     itls = np.array([x for r in results for x in r["itls"]]) * 1e3
@@ -120,13 +113,13 @@ def measure(base: str, args) -> dict:
     out = {"plain_tpot": [], "json_tpot": []}
     valid = 0
     for _ in range(args.repeats):  # the two loads interleaved, so drift hits both alike
-        out["plain_tpot"].append(asyncio.run(batch1(base, prompts, args.max_tokens, None, args.runs))[0])
-        tpot, ok = asyncio.run(batch1(base, prompts, 2 * args.max_tokens, SCHEMA, args.runs))
+        out["plain_tpot"].append(batch1(base, prompts, args.max_tokens, None, args.runs)[0])
+        tpot, ok = batch1(base, prompts, 2 * args.max_tokens, SCHEMA, args.runs)
         out["json_tpot"].append(tpot)
         valid += ok
     out = {k: 1e3 * statistics.median(v) for k, v in out.items()}
     out["json_valid"] = f"{valid}/{args.repeats * args.runs}"
-    out["serving"] = asyncio.run(serving(base, prompts, args.num_prompts, args.request_rate, args.max_tokens))
+    out["serving"] = serving(base, prompts, args.num_prompts, args.request_rate, args.max_tokens)
     return out
 
 

@@ -3,7 +3,8 @@ model, dtype and flags as the in-process measurement) streams the same greedy re
 over POST /v1/completions; its time per output token, beside the in-process step at the
 same batch size, gives the per-token overhead of everything outside the step (ZMQ, the
 detokenizer, the frontend's event loop, uvicorn, SSE) and of the frontend's CPU use
-stealing from the step on a small machine.
+stealing from the step on a small machine. The client is sse_client.py's blocking
+socket, a thread per stream: its own CPU per token is small and printed ("client").
 
 Used by bench_offline.py, which prints ``http overhead bs=<n> <ms> ms per token``:
 
@@ -11,48 +12,45 @@ Used by bench_offline.py, which prints ``http overhead bs=<n> <ms> ms per token`
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import shlex
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import psutil
 
 from bench_serving import free_port, launched_server
+from sse_client import sse_events
 
 STREAM_READ_TIMEOUT_S = 300
 
 
-async def _stream_one(client: httpx.AsyncClient, base: str, prompt_ids: list[int], new_tokens: int) -> float:
+def _stream_one(base: str, prompt_ids: list[int], new_tokens: int) -> float:
     """One streamed greedy request; its seconds per output token after the first (the
     client's clock: first token chunk to last)."""
     body = {"model": "default", "prompt": prompt_ids, "max_tokens": new_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     first = last = None
     tokens = 0
-    async with client.stream("POST", base + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                last = time.perf_counter()
-                first = first or last
+    for data in sse_events(base + "/v1/completions", body, timeout=STREAM_READ_TIMEOUT_S):
+        if data == "[DONE]":
+            continue
+        chunk = json.loads(data)
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            last = time.perf_counter()
+            first = first or last
     if tokens != new_tokens or first is None or first == last:
         raise RuntimeError(f"expected {new_tokens} streamed tokens, got {tokens}")
     return (last - first) / (tokens - 1)
 
 
-async def _round(base: str, prompts: list[list[int]], new_tokens: int) -> list[float]:
-    limits = httpx.Limits(max_connections=len(prompts) + 1)
-    async with httpx.AsyncClient(timeout=STREAM_READ_TIMEOUT_S, limits=limits) as client:
-        return list(await asyncio.gather(*(_stream_one(client, base, p, new_tokens) for p in prompts)))
+def _round(base: str, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    """The streams started together, a thread each (blocking sockets: sse_client.py)."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: _stream_one(base, p, new_tokens), prompts))
 
 
 def _cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
@@ -86,9 +84,9 @@ def tpot_ms(base: str, prompts_ids: list[list[int]], sizes: list[int], new_token
     procs = server_processes()
     for bs in sizes:
         prompts = [prompts_ids[i % len(prompts_ids)] for i in range(bs)]
-        asyncio.run(_round(base, prompts, 8))  # warm-up: connections, this batch size's step
+        _round(base, prompts, 8)  # warm-up: connections, this batch size's step
         before = _cpu_seconds(procs)
-        runs = [t for _ in range(repeats) for t in asyncio.run(_round(base, prompts, new_tokens))]
+        runs = [t for _ in range(repeats) for t in _round(base, prompts, new_tokens)]
         after = _cpu_seconds(procs)
         out[bs] = 1e3 * statistics.median(runs)
         cpu[bs] = {k: 1e3 * (after[k] - before[k]) / (repeats * new_tokens) for k in procs}

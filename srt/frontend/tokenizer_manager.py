@@ -29,7 +29,8 @@ from srt.transport.io_struct import (
     FRONTEND_INPUT_CODEC, SCHEDULER_INPUT_CODEC, AbortReq, FinishReason, FlushCacheOut, FlushCacheReq, PortArgs, SchedulerInfo,
     TokenizedGenerateReq,
 )
-from srt.transport.wire import DropCounter, recv_message_async
+from srt.transport.loop_reader import LoopReader
+from srt.transport.wire import DropCounter, WireError
 from srt.transport.zmq_transport import transport_for
 from srt.process_utils import lowest_cpu_priority
 from srt.metrics.frontend import create_frontend_metrics
@@ -87,8 +88,9 @@ class TokenizerManager:
             self._sends.append(sock)
         self.dispatcher = DPDispatcher(len(self._sends), getattr(
             server_args, "load_balance_method", "round_robin"))
-        self._recv, _ = self.transport.bind(zmq.PULL, port_args.frontend_input_ipc, asyncio=True)
+        self._recv, _ = self.transport.bind(zmq.PULL, port_args.frontend_input_ipc)
         self._recv.setsockopt(zmq.RCVHWM, 0)
+        self._reader = LoopReader(self._recv, self._on_message)
         self.recv_drops = DropCounter("frontend output socket")
         self.rid_to_state: dict[str, _ReqState] = {}
         self.sample_groups: dict[str, list[str]] = {}  # n > 1: request id -> its samples' ids
@@ -340,46 +342,43 @@ class TokenizerManager:
             self._handle_task = asyncio.get_running_loop().create_task(self._handle_loop())
 
     async def _handle_loop(self) -> None:
-        while True:
-            try:
-                out = await recv_message_async(self._recv, FRONTEND_INPUT_CODEC, self.recv_drops)
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError:
-                if self._recv.closed:  # close() ran: nothing more will arrive
-                    return
-                logger.exception("Failed to receive from the scheduler")
-                continue
-            except Exception:  # a bad message must not kill every request's stream
-                logger.exception("Failed to receive from the scheduler")
-                continue
-            if out is None:  # not a valid message: dropped and counted
-                continue
-            if isinstance(out, SchedulerMetrics):  # a DP group's state (--enable-metrics)
-                if self.metrics is not None:
-                    self.metrics.on_scheduler_metrics(out)
-                continue
-            if isinstance(out, FlushCacheOut):
-                waiter = self._flush_waiters.get(out.rid)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(out)
-                continue
-            for i, rid in enumerate(out.rids):
-                state = self.rid_to_state.get(rid)
-                if state is not None:  # else: already gone (aborted by us)
-                    state.queue.put_nowait((
-                        out.new_token_ids[i], out.finished_reasons[i],
-                        out.prompt_tokens[i], out.completion_tokens[i],
-                        out.cached_tokens[i] if out.cached_tokens else 0,
-                        out.fast_forward_tokens[i] if out.fast_forward_tokens else 0,
-                        out.spec_verify_ct[i] if out.spec_verify_ct else None,
-                        out.output_logprobs[i] if out.output_logprobs else None,
-                        out.input_logprobs[i] if out.input_logprobs else None,
-                        out.grammar_reports[i] if out.grammar_reports else None,
-                    ))
-                    if state.metrics is not None:
-                        state.metrics.on_output(out.finished_reasons[i], out.prompt_tokens[i], out.completion_tokens[i],
-                                                out.cached_tokens[i] if out.cached_tokens else 0)
+        await self._reader.run()  # each message: _on_message, on this loop
+
+    def _on_message(self, data: bytes) -> None:
+        try:
+            out = FRONTEND_INPUT_CODEC.decode(data)
+        except WireError as e:  # not a valid message: dropped and counted
+            self.recv_drops.dropped(e, len(data))
+            return
+        self._dispatch(out)
+
+    def _dispatch(self, out) -> None:
+        """One scheduler output: its requests' new tokens to their queues."""
+        if isinstance(out, SchedulerMetrics):  # a DP group's state (--enable-metrics)
+            if self.metrics is not None:
+                self.metrics.on_scheduler_metrics(out)
+            return
+        if isinstance(out, FlushCacheOut):
+            waiter = self._flush_waiters.get(out.rid)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(out)
+            return
+        for i, rid in enumerate(out.rids):
+            state = self.rid_to_state.get(rid)
+            if state is not None:  # else: already gone (aborted by us)
+                state.queue.put_nowait((
+                    out.new_token_ids[i], out.finished_reasons[i],
+                    out.prompt_tokens[i], out.completion_tokens[i],
+                    out.cached_tokens[i] if out.cached_tokens else 0,
+                    out.fast_forward_tokens[i] if out.fast_forward_tokens else 0,
+                    out.spec_verify_ct[i] if out.spec_verify_ct else None,
+                    out.output_logprobs[i] if out.output_logprobs else None,
+                    out.input_logprobs[i] if out.input_logprobs else None,
+                    out.grammar_reports[i] if out.grammar_reports else None,
+                ))
+                if state.metrics is not None:
+                    state.metrics.on_output(out.finished_reasons[i], out.prompt_tokens[i], out.completion_tokens[i],
+                                            out.cached_tokens[i] if out.cached_tokens else 0)
 
     @property
     def handle_task(self) -> Optional[asyncio.Task]:
@@ -387,6 +386,7 @@ class TokenizerManager:
 
     def close(self) -> None:
         self.large_work.shutdown(wait=False, cancel_futures=True)
+        self._reader.stop()  # before its socket closes
         if self._handle_task is not None:
             self._handle_task.cancel()
         self.transport.close()

@@ -80,12 +80,3 @@ def recv_message(sock, codec: MessageCodec, drops: DropCounter, flags: int = 0):
     except WireError as e:
         drops.dropped(e, len(data))
         return None
-
-
-async def recv_message_async(sock, codec: MessageCodec, drops: DropCounter):
-    data = await sock.recv(copy=True)
-    try:
-        return codec.decode(data)
-    except WireError as e:
-        drops.dropped(e, len(data))
-        return None

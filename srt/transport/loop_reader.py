@@ -1,8 +1,9 @@
 """A ZMQ socket's messages handed to a callback on the running asyncio loop.
 
 zmq.asyncio makes a Future per ``recv``, and its readiness checks (EVENTS flags, fork
-checks) run in Python every message: in the frontend that was a measurable share of
-each streamed token's CPU, on cores the scheduler's step needs. Here the socket's FD is
+checks) run in Python every message, on cores the scheduler's step needs (the frontend's
+CPU per streamed token fell a little with this reader: 0.43-0.57 -> 0.47-0.53 ms on a
+2-vCPU Xeon, within its noise; docs/architecture.md). Here the socket's FD is
 watched once (``loop.add_reader``) and a readable wake drains every queued message with
 non-blocking receives, calling ``on_message(bytes)`` for each.
 

@@ -90,3 +90,83 @@ def test_model_runner_packs_when_eager_on_cpu_and_not_when_switched_off(tmp_path
     assert dense == {"model.embed_tokens.weight", "lm_head.weight"} or dense == {"model.embed_tokens.weight"}, dense
     monkeypatch.setenv("GRAMSYNC_CPU_PACKED_LINEAR", "0")
     assert _packed_count(_runner(str(tmp_path), disable_torch_compile=True)) == 0
+
+
+def _codes_layer(max_rows: int):
+    """A column layer holding a GGUF-style codes weight (torch's int4 op) for up to
+    ``max_rows`` rows beside its dense fp32 weight, as gguf_int4.py leaves it."""
+    from srt.layers.cpu_int4_linear import int4_from_codes, int4_supported
+    from srt.layers.cpu_qgemv import SmallBatchQuantized
+
+    if not int4_supported():
+        pytest.skip("torch without its CPU int4 kernel")
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (96, 64), generator=g, dtype=torch.uint8)
+    scale, zero = torch.rand(96, 2, generator=g) / 8, torch.randn(96, 2, generator=g) / 8
+    layer = ColumnParallelLinear(64, 96, bias=False, tp=TPGroup())
+    layer.weight.copy_((codes.float() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1))
+    layer.packed_weight = SmallBatchQuantized(int4_from_codes(codes, scale, zero, 32), None, max_rows)
+    return layer
+
+
+def _ops(compiled_layer, x) -> set[str]:
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    y = torch.compile(compiled_layer, backend=record, dynamic=True)(x)
+    return y, {str(n.target) for gm in graphs for n in gm.graph.nodes}
+
+
+def test_a_graph_of_any_row_count_reads_the_codes_layers_packed_dense_rows():
+    """The compiled prefill's halves (rows dynamic, unbounded) take the packed dense rows
+    through gramsync::onednn_linear; a decode graph whose rows are known to exceed the
+    codes' limit keeps F.linear (freezing packs it); a few rows keep the codes."""
+    from srt.layers.weight_packing import pack_linear_weights
+
+    layer = _codes_layer(max_rows=4)
+    dense_weight = layer.weight
+    assert pack_linear_weights(layer, torch.float32, "[test]", compiled=True) == 1
+    assert layer.weight is dense_weight and layer.weight.device.type == "cpu"  # the decode graphs read it
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))
+    expect = packed_linear(x, layer.packed_weight.dense, None)
+    y, ops = _ops(layer, x)
+    assert "gramsync.onednn_linear" in ops, ops
+    assert torch.equal(y, expect)
+
+    decode_rows = x.clone()
+    torch._dynamo.mark_dynamic(decode_rows, 0, min=5, max=16)
+    y, ops = _ops(layer, decode_rows)
+    assert not any("onednn" in op or "mkldnn" in op for op in ops), ops
+    torch.testing.assert_close(y, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+    few = x[:3].clone()
+    torch._dynamo.mark_dynamic(few, 0, min=2, max=4)
+    _, ops = _ops(layer, few)
+    assert not any("onednn" in op for op in ops) and any("int4" in op for op in ops), ops
+
+
+def test_inductor_compiles_the_packed_dense_rows_to_the_eager_result():
+    """The same op through Inductor (the served prefill): bit-equal to the eager step."""
+    from srt.layers.weight_packing import pack_linear_weights
+
+    layer = _codes_layer(max_rows=4)
+    pack_linear_weights(layer, torch.float32, "[test]", compiled=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, dynamic=True)
+    for rows in (7, 38):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            assert torch.equal(compiled(x), layer(x))  # eager: packed_linear on the same packing
+            assert torch.equal(layer(x), packed_linear(x, layer.packed_weight.dense, None))
+
+
+def test_packing_for_a_compiled_model_leaves_plain_layers_to_the_compiler():
+    from srt.layers.weight_packing import pack_linear_weights
+
+    plain = ColumnParallelLinear(64, 96, bias=False, tp=TPGroup())
+    assert pack_linear_weights(plain, torch.float32, "[test]", compiled=True) == 0
+    assert plain.packed_weight is None

@@ -43,6 +43,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+@torch.library.custom_op("gramsync::onednn_linear", mutates_args=())
+def _onednn_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor:
+    return packed_linear(x, packed, bias)
+
+
+@_onednn_linear_op.register_fake
+def _(x, packed, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """The layers' matmul: the packed weight when there is one, except while torch.compile
@@ -52,6 +63,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
         rows = x.numel() // x.shape[-1]
         if statically_known_true(rows <= packed.max_rows):
             return quantized_linear(x, packed.quantized, bias)
+        if (packed.dense is not None and torch.compiler.is_compiling()
+                and not statically_known_true(rows > packed.max_rows)):
+            # A graph of any row count (the prefill's layer halves): the packed dense rows
+            # through an opaque op, as in an eager step. Inductor cannot pack a weight that
+            # is a graph input, and aten::mm re-lays the plain one out on every call (1.4-1.7x
+            # the packed time at a 38-token prompt, docs/speed.md). The decode graphs' rows
+            # have a known range; freezing packs the dense weight for those.
+            return torch.ops.gramsync.onednn_linear(x, packed.dense, bias, weight.shape[0])
         packed = packed.dense
     if isinstance(packed, QUANTIZED):  # int4 / int8 on CPU: the same op eager and compiled
         return quantized_linear(x, packed, bias)

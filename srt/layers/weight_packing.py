@@ -21,12 +21,17 @@ from srt.layers.vocab_parallel_embedding import ParallelLMHead
 logger = logging.getLogger(__name__)
 
 
-def pack_linear_weights(model: nn.Module, dtype: torch.dtype, log_prefix: str) -> int:
+def pack_linear_weights(model: nn.Module, dtype: torch.dtype, log_prefix: str,
+                        compiled: bool = False) -> int:
     """Give every linear layer and the LM head its weight packed. A linear layer's dense
     weight becomes a meta tensor (shape and dtype kept, no memory): only a compiled step or
     torchao would read it, and neither runs on a packed model. A GGUF's codes layer
     (``SmallBatchQuantized``) gets its dense rows packed beside them. The LM head keeps its dense
-    weight (a tied embedding reads it). Returns the number of layers packed."""
+    weight (a tied embedding reads it). Returns the number of layers packed.
+
+    ``compiled``: the model also runs compiled steps; only a GGUF's codes layers get their
+    dense rows packed (for the compiled prefill and eager steps), and every dense weight
+    stays (the decode graphs' freezing packs its own from it)."""
     if not packing_supported(dtype):
         return 0
     count = 0
@@ -34,16 +39,17 @@ def pack_linear_weights(model: nn.Module, dtype: torch.dtype, log_prefix: str) -
         if not (isinstance(module, (_TPLinear, ParallelLMHead)) and module.weight.dtype == dtype):
             continue
         held = getattr(module, "packed_weight", None)
-        if held is None:
+        if held is None and not compiled:
             module.packed_weight = pack_weight(module.weight)
         elif isinstance(held, SmallBatchQuantized) and held.dense is None:  # a GGUF's codes: the dense rows
             module.packed_weight = held._replace(dense=pack_weight(module.weight))
         else:
             continue  # int4 / int8 layers keep theirs
-        if isinstance(module, _TPLinear):
+        if isinstance(module, _TPLinear) and not compiled:
             module.weight = nn.Parameter(module.weight.to("meta"), requires_grad=False)
         count += 1
-    logger.info("%s oneDNN-packed weights for %d eager linear layers", log_prefix, count)
+    logger.info("%s oneDNN-packed weights for %d %s linear layers", log_prefix, count,
+                "GGUF-coded (dense rows, the prefill and eager steps)" if compiled else "eager")
     return count
 
 

@@ -94,6 +94,8 @@ class ModelRunner:
         if self.device == "cpu" and environ.GRAMSYNC_CPU_PACKED_LINEAR.get() and (
                 self._torchao_int4() or not (server_args.torchao_config or self._want_compile())):
             pack_linear_weights(self.model, self.dtype, rank_info.log_prefix)
+        elif self.device == "cpu" and environ.GRAMSYNC_CPU_PACKED_LINEAR.get() and self.gguf_int4:
+            pack_linear_weights(self.model, self.dtype, rank_info.log_prefix, compiled=True)
         # Every rank of the DP group must allocate identically: take the group's minimum.
         self.max_total_num_tokens = tp_min_int(self._profile_max_num_tokens(), self.ctrl)
         self.max_running_requests = server_args.max_running()

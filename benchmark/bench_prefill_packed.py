@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import sys
 import time
 
@@ -29,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine_floor  # noqa: E402
+from ab_rounds import ab_rounds, report  # noqa: E402
 import step_breakdown  # noqa: E402
 
 
@@ -77,26 +77,11 @@ def main() -> None:
             sched.step()
         return dt * 1e3
 
-    ways = {"packed": packed, "plain": {}}
-    for way in ways:  # trace both graphs before timing
-        _set_packed(runner.model, ways[way])
-        for n in lens:
-            prefill_ms(n), prefill_ms(n)
-    times = {(w, n): [] for w in ways for n in lens}
-    for r in range(args.rounds):
-        for way in (("packed", "plain") if r % 2 == 0 else ("plain", "packed")):
-            _set_packed(runner.model, ways[way])
-            for n in lens:
-                times[(way, n)].append(statistics.median(prefill_ms(n) for _ in range(args.per_round)))
-    _set_packed(runner.model, packed)
+    times = ab_rounds({"packed": lambda: _set_packed(runner.model, packed),
+                       "plain": lambda: _set_packed(runner.model, {})}, lens, prefill_ms, args.rounds, args.per_round)
     if not runner.compiled_switch.prefill.ready:
         raise SystemExit("the compiled prefill fell back to eager during the rounds")
-    for n in lens:
-        a, b = times[("packed", n)], times[("plain", n)]
-        won = sum(x < y for x, y in zip(a, b))
-        print(f"prefill {n} tokens: packed {statistics.median(a):.1f} ms plain {statistics.median(b):.1f} ms "
-              f"ratio {statistics.median(a) / statistics.median(b):.2f}x (packed faster in {won} of {args.rounds} rounds)")
-
+    report(times, "prefill {n} tokens")
 
 if __name__ == "__main__":
     main()

@@ -181,3 +181,38 @@ def test_mixed_steps_through_the_compiled_prefill_match_eager(schedulers, smollm
         if sched is compiled:
             assert cp.steps > steps_before and cp.ready  # compiled, no fallback
     assert outs["cm"] == outs["em"]
+
+
+def _greedy_ids(sched, prompts: list[list[int]], tag: str) -> list[list[int]]:
+    from sampling.sampling_params import SamplingParams
+    from srt.transport.io_struct import TokenizedGenerateReq
+
+    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+    reqs = [TokenizedGenerateReq(f"{tag}-{i}", tuple(p), params) for i, p in enumerate(prompts)]
+    sched.process_input_requests(reqs)
+    by_rid = {m.rid: sched.reqs[m.rid] for m in reqs}
+    while sched.has_work():
+        sched.step()
+    return [list(by_rid[m.rid].output_ids) for m in reqs]
+
+
+def test_short_prefills_run_as_decode_rows_with_the_eager_prefills_tokens(schedulers, smollm2_tokenizer):
+    """Prompts already cached (sent again: one new token each) and cached prompts followed
+    by a few new tokens, within the decode graphs' rows: no compiled prefill step runs
+    (extend_as_decode.py), and the fp32 greedy tokens equal the eager prefill's."""
+    compiled, eager = schedulers
+    assert compiled.runner.compiled_decode.wait(timeout=600)
+    cp = compiled.runner.compiled_prefill
+    tok = smollm2_tokenizer
+    prompts = [tok(t)["input_ids"] for t in ("The capital of France is Paris, and its river is the",
+                                             "1, 2, 3, 4, 5, 6, 7, 8, 9,")]
+    more = [p + tok(t, add_special_tokens=False)["input_ids"] for p, t in zip(prompts, (" Seine.", " 10,"))]
+    assert 2 < sum(len(m) - len(p) for m, p in zip(more, prompts)) <= compiled.runner.compiled_decode.max_bs
+    for sched in (compiled, eager):
+        _greedy_ids(sched, prompts, "cache")  # the prompts into each radix cache
+    before = cp.steps
+    got = [_greedy_ids(compiled, batch, "again") for batch in (prompts, more)]
+    assert cp.steps == before and cp.ready and compiled.runner.compiled_decode.ready
+    want = [_greedy_ids(eager, batch, "again") for batch in (prompts, more)]
+    assert got == want
+    assert _greedy_ids(compiled, [prompts[0] + more[1]], "long") and cp.steps > before  # past the rows: a prefill

@@ -21,6 +21,7 @@ from srt.model_executor.compiled.aoti_decode import DecodePackages
 from srt.model_executor.compiled.builder import BuildOrder, CompileBuilder
 from srt.model_executor.compiled.cache import cache_complete, cpu_flags, inductor_cache_counts, mark_complete, use_compile_cache
 from srt.model_executor.compiled.decode import CompiledDecode
+from srt.model_executor.extend_as_decode import extend_as_decode
 from srt.model_executor.compiled.prefill import CompiledPrefill
 from srt.model_executor.compiled.switch import CompiledSwitch
 from srt.model_executor.cuda_graph_runner import CudaGraphRunner, real_length_inputs
@@ -341,8 +342,15 @@ class ModelRunner:
         has them, and the others get an empty ``[rows, 0]`` (srt/model_executor/pipeline_forward.py)."""
         if self.pipeline_forward is not None:
             return self.pipeline_forward(fb)
-        self._prepare(fb)
         switch = self.compiled_switch
+        if fb.mode is ForwardMode.EXTEND and self.compiled_decode is not None:
+            as_decode = extend_as_decode(fb, self.compiled_decode.max_bs)
+            if as_decode is not None and switch.use_decode(as_decode[0]):
+                decode, last_rows = as_decode
+                self._prepare(decode)
+                logits = self.compiled_decode(decode)
+                return logits if last_rows is None else logits[last_rows]
+        self._prepare(fb)
         if fb.mode is ForwardMode.DECODE:
             if switch.use_decode(fb):
                 return self.compiled_decode(fb)

@@ -1,0 +1,36 @@
+"""Two ways of one step, alternating on one in-process scheduler: the rounds and the report
+that bench_prefill_packed.py and bench_extend_as_decode.py share."""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+
+def ab_rounds(ways: dict[str, Callable[[], None]], sizes: list[int], step_ms: Callable[[int], float],
+              rounds: int, per_round: int) -> dict[tuple[str, int], list[float]]:
+    """``ways``: name -> switch the scheduler to it (two of them, the new first). Every size
+    is run twice each way first (every graph traced), then per round, in alternating order,
+    the median of ``per_round`` steps per way and size. Leaves the first way switched on."""
+    names = list(ways)
+    for name in names:
+        ways[name]()
+        for n in sizes:
+            step_ms(n), step_ms(n)
+    times: dict[tuple[str, int], list[float]] = {(w, n): [] for w in names for n in sizes}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            ways[name]()
+            for n in sizes:
+                times[(name, n)].append(statistics.median(step_ms(n) for _ in range(per_round)))
+    ways[names[0]]()
+    return times
+
+
+def report(times: dict[tuple[str, int], list[float]], what: str) -> None:
+    """One line per size: ``<what with n> <new> <ms> ms <old> <ms> ms ratio <x>x (...)``."""
+    new, old = dict.fromkeys(w for w, _ in times)
+    for n in dict.fromkeys(n for _, n in times):
+        a, b = times[(new, n)], times[(old, n)]
+        won = sum(x < y for x, y in zip(a, b))
+        print(f"{what.format(n=n)}: {new} {statistics.median(a):.1f} ms {old} {statistics.median(b):.1f} ms "
+              f"ratio {statistics.median(a) / statistics.median(b):.2f}x ({new} faster in {won} of {len(a)} rounds)")

@@ -3,6 +3,7 @@ that bench_prefill_packed.py and bench_extend_as_decode.py share."""
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 
@@ -34,3 +35,27 @@ def report(times: dict[tuple[str, int], list[float]], what: str) -> None:
         won = sum(x < y for x, y in zip(a, b))
         print(f"{what.format(n=n)}: {new} {statistics.median(a):.1f} ms {old} {statistics.median(b):.1f} ms "
               f"ratio {statistics.median(a) / statistics.median(b):.2f}x ({new} faster in {won} of {len(a)} rounds)")
+
+
+class PrefillTimer:
+    """One request at a time on ``sched``: its prefill step's milliseconds (the request
+    generates one token, so the step also samples it), then the request is run out."""
+
+    def __init__(self, sched):
+        from sampling.sampling_params import SamplingParams
+
+        self.sched = sched
+        self.params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1, "ignore_eos": True})
+        self.count = 0
+
+    def __call__(self, ids: list[int]) -> float:
+        from srt.transport.io_struct import TokenizedGenerateReq
+
+        self.count += 1
+        self.sched.process_input_requests([TokenizedGenerateReq(f"ab{self.count}", tuple(ids), self.params)])
+        t = time.perf_counter()
+        self.sched.step()
+        dt = time.perf_counter() - t
+        while self.sched.running or self.sched.waiting:
+            self.sched.step()
+        return dt * 1e3

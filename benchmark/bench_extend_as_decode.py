@@ -19,23 +19,20 @@ import argparse
 import os
 import random
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine_floor  # noqa: E402
-from ab_rounds import ab_rounds, report  # noqa: E402
+from ab_rounds import PrefillTimer, ab_rounds, report  # noqa: E402
 import step_breakdown  # noqa: E402
 from bench_offline import chat_prompts  # noqa: E402
 
 
 def main() -> None:
     import srt.model_executor.model_runner as model_runner
-    from sampling.sampling_params import SamplingParams
     from srt.model_executor.model_loader import embedded_gguf_path, resolve_model_path
     from srt.tokenizer_utils import apply_chat_template, get_tokenizer
-    from srt.transport.io_struct import TokenizedGenerateReq
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new", default="1,4,8,16", help="fresh tokens per prefill")
@@ -56,21 +53,12 @@ def main() -> None:
           f"threads={torch.get_num_threads()} malloc={os.path.basename(os.environ.get('LD_PRELOAD', 'glibc'))} "
           f"model={os.path.basename(model_dir)}")
     prefix = list(apply_chat_template(get_tokenizer(model_dir), chat_prompts(1)[0]))
-    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1, "ignore_eos": True})
-    rnd, count = random.Random(0), [0]
+    rnd, prefill_ms = random.Random(0), PrefillTimer(sched)
 
     def step_ms(n: int) -> float:
-        count[0] += 1
         # n == 1: the cached prompt again (its last token is computed anew); else n fresh
         # tokens after it (the whole prompt is cached, so exactly those n are computed).
-        ids = prefix if n == 1 else prefix + [rnd.randrange(100, 40000) for _ in range(n)]
-        sched.process_input_requests([TokenizedGenerateReq(f"x{count[0]}", tuple(ids), params)])
-        t = time.perf_counter()
-        sched.step()
-        dt = time.perf_counter() - t
-        while sched.running or sched.waiting:
-            sched.step()
-        return dt * 1e3
+        return prefill_ms(prefix if n == 1 else prefix + [rnd.randrange(100, 40000) for _ in range(n)])
 
     convert = model_runner.extend_as_decode
     step_ms(1)  # the prefix into the cache

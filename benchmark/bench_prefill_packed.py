@@ -22,13 +22,12 @@ import argparse
 import os
 import random
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine_floor  # noqa: E402
-from ab_rounds import ab_rounds, report  # noqa: E402
+from ab_rounds import PrefillTimer, ab_rounds, report  # noqa: E402
 import step_breakdown  # noqa: E402
 
 
@@ -41,10 +40,8 @@ def _set_packed(model: torch.nn.Module, packed: dict) -> None:
 
 
 def main() -> None:
-    from sampling.sampling_params import SamplingParams
     from srt.layers.cpu_qgemv import SmallBatchQuantized
     from srt.model_executor.model_loader import embedded_gguf_path, resolve_model_path
-    from srt.transport.io_struct import TokenizedGenerateReq
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lens", default="38,300", help="prompt lengths in tokens")
@@ -63,19 +60,10 @@ def main() -> None:
         raise SystemExit("the compiled prefill is not in use here")
     print(f"cpu={machine_floor.cpu_model()} flags={machine_floor.cpu_flags()} dtype={runner.dtype} "
           f"threads={torch.get_num_threads()} malloc={os.path.basename(os.environ.get('LD_PRELOAD', 'glibc'))}")
-    params = SamplingParams.from_dict({"temperature": 0, "max_new_tokens": 1, "ignore_eos": True})
-    rnd, count = random.Random(0), [0]
+    rnd, timer = random.Random(0), PrefillTimer(sched)
 
     def prefill_ms(n: int) -> float:
-        count[0] += 1
-        ids = tuple(rnd.randrange(100, 40000) for _ in range(n))
-        sched.process_input_requests([TokenizedGenerateReq(f"p{count[0]}", ids, params)])
-        t = time.perf_counter()
-        sched.step()
-        dt = time.perf_counter() - t
-        while sched.running or sched.waiting:
-            sched.step()
-        return dt * 1e3
+        return timer([rnd.randrange(100, 40000) for _ in range(n)])
 
     times = ab_rounds({"packed": lambda: _set_packed(runner.model, packed),
                        "plain": lambda: _set_packed(runner.model, {})}, lens, prefill_ms, args.rounds, args.per_round)

@@ -31,11 +31,11 @@ def extend_as_decode(fb: ForwardBatch, max_rows: int) -> Optional[tuple[ForwardB
     each sequence's last (prompt logprobs), a hybrid model's state marks, or more new
     tokens than ``max_rows``."""
     if (fb.mode is not ForwardMode.EXTEND or fb.logit_rows is not None or fb.return_all_logits
-            or fb.state_marks is not None or fb.linear_state is not None):
+            or fb.state_marks is not None):
         return None
     lens = fb.extend_seq_lens_cpu
     total = sum(lens)
-    if total > max_rows or total != len(fb.input_ids):
+    if total > max_rows:
         return None
     if all(n == 1 for n in lens):  # already shaped as decode rows (prefix = seq_len - 1)
         return dataclasses.replace(fb, mode=ForwardMode.DECODE), None
